@@ -1,0 +1,46 @@
+"""mlx-edge0: serve MoE models that do not fit in memory from SSD, inside mlx-lm.
+
+``load(path, **options)`` returns what ``mlx_lm.load`` returns, for an edge0
+checkpoint (made by ``edge0 convert``); options are the fields of
+:class:`mlx_edge0.options.Options`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .options import RUNTIME_KEY, Options
+
+__version__ = "0.1.0"
+__all__ = ["load", "load_model", "Options", "__version__"]
+
+
+def _model_config(options: dict[str, Any]) -> dict[str, Any]:
+    return {RUNTIME_KEY: Options(**options).to_dict()}
+
+
+def load(path: str | Path, **options: Any):
+    """Load an edge0 checkpoint with its tokenizer: ``(model, tokenizer)``.
+
+    Keyword arguments are :class:`Options` fields (e.g. ``compute_dtype``).
+    """
+    from mlx_lm import load as mlx_lm_load
+
+    from .checkpoint import read_config, Edge0Section
+
+    Edge0Section.from_config(read_config(path), Path(path) / "config.json")
+    return mlx_lm_load(str(path), model_config=_model_config(options), trust_remote_code=True)
+
+
+def load_model(path: str | Path, **options: Any):
+    """Load only the model of an edge0 checkpoint (no tokenizer needed)."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    from .checkpoint import read_config, Edge0Section
+
+    Edge0Section.from_config(read_config(path), Path(path) / "config.json")
+    model, _ = mlx_lm_load_model(
+        Path(path), model_config=_model_config(options), trust_remote_code=True
+    )
+    return model

@@ -1,0 +1,91 @@
+"""Edge0Model: a stock mlx-lm model whose MoE blocks stream their experts.
+
+Each family in ``model_patches`` declares
+``class Model(Edge0Model, <stock mlx_lm Model>)``: the instance *is* the stock
+model (same class hierarchy, parameter names, caches, ``sanitize``), built by
+the stock constructor, after which every MoE block named in the checkpoint's
+``edge0`` section is swapped for the family's streaming block. The stock
+block's lazily-initialised expert tensors are dropped before they are ever
+evaluated, so building the model allocates no expert memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+import mlx.core as mx
+
+from .checkpoint import CheckpointError, Edge0Section
+from .options import Options
+from .store import ExpertStore
+from .streaming import StreamingMoE
+
+
+@dataclass(frozen=True)
+class Edge0Args:
+    """What a patched model is built from (returned by ``ModelArgs.from_dict``)."""
+
+    model_type: str
+    family: Any
+    stock_args: Any
+    section: Edge0Section
+    options: Options
+    checkpoint_dir: Path
+
+
+class Edge0Model:
+    """Mixin placed before the stock model class; see the module docstring."""
+
+    stock_block: ClassVar[type]
+    streaming_block: ClassVar[type[StreamingMoE]]
+
+    def __init__(self, args: Edge0Args):
+        super().__init__(args.stock_args)
+        self.edge0_options = args.options
+        self.edge0_section = args.section
+        self.compute_dtype: Optional[mx.Dtype] = args.options.dtype()
+        self.expert_store = ExpertStore(
+            args.checkpoint_dir, args.section, io_threads=args.options.io_threads
+        )
+        layers = self.layers
+        stock_moe = [i for i, layer in enumerate(layers) if isinstance(layer.mlp, self.stock_block)]
+        if list(args.section.moe_layers) != stock_moe:
+            raise CheckpointError(
+                f"{args.checkpoint_dir / 'config.json'}: edge0.moe_layers "
+                f"{list(args.section.moe_layers)} do not match the MoE layers "
+                f"{stock_moe} of this {args.model_type} config"
+            )
+        for i in stock_moe:
+            layers[i].mlp = self.streaming_block.from_stock(
+                layers[i].mlp,
+                layer=i,
+                store=self.expert_store,
+                num_experts_per_tok=args.section.num_experts_per_tok,
+                scales_dtype=self.compute_dtype,
+            )
+
+    def sanitize(self, weights: dict) -> dict:
+        """Stock sanitize, then the compute-dtype cast (fp32 on CPU by default)."""
+        weights = super().sanitize(weights)
+        dtype = self.compute_dtype
+        if dtype is None:
+            return weights
+        # float32 loses nothing, so everything floating is cast (as
+        # ``set_dtype(mx.float32)`` would); narrower casts honour the stock
+        # model's cast_predicate (e.g. A_log, expert_bias stay float32).
+        keep = None if dtype == mx.float32 else getattr(self, "cast_predicate", None)
+        return {
+            k: v.astype(dtype)
+            if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k))
+            else v
+            for k, v in weights.items()
+        }
+
+    def stats(self) -> dict:
+        """Counters of expert reads since load (or the last reset)."""
+        return self.expert_store.counters.as_dict()
+
+    def reset_stats(self) -> None:
+        self.expert_store.reset_counters()

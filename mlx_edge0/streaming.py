@@ -1,0 +1,66 @@
+"""The streaming MoE block: a stock mlx-lm MoE block whose routed experts live on disk.
+
+Invariant: for the same input, a streaming block returns what the stock block
+returns (bit for bit on the exact path): routing is the stock routing math
+(:mod:`mlx_edge0.routing`), the experts are the same int4 tensors run through
+the same ``gather_qmm`` calls (:func:`mlx_edge0.expert_math.expert_glu`), and
+the shared expert is the stock module itself.
+
+Each family in ``model_patches`` subclasses :class:`StreamingMoE` and says
+three things: how the router logits are computed, which routing math applies,
+and what the shared expert adds. The block's input is the decoder layer's
+post-attention-norm output (every supported family calls
+``mlp(post_attention_layernorm(h))``), which the prerouter reads.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .expert_math import expert_glu
+from .store import ExpertStore
+
+
+class StreamingMoE(nn.Module):
+    """Routed experts read from an :class:`ExpertStore` (exact path).
+
+    Subclasses keep the stock block's router and shared-expert modules under
+    their stock attribute names, so the resident weights load unchanged.
+    """
+
+    def __init__(self, layer: int, store: ExpertStore, num_experts_per_tok: int,
+                 scales_dtype: Optional[mx.Dtype]):
+        super().__init__()
+        self.layer = layer
+        self.store = store
+        self.top_k = num_experts_per_tok
+        self.scales_dtype = scales_dtype
+
+    def router_logits(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def shared(self, x: mx.array) -> Optional[mx.array]:
+        return None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # x: [B, L, D]; inds, scores: [B, L, K]
+        inds, scores = self.route(self.router_logits(x))
+        y = self.routed_experts(x, inds)  # [B, L, K, D]
+        y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
+        shared = self.shared(x)
+        return y if shared is None else y + shared
+
+    def routed_experts(self, x: mx.array, inds: mx.array) -> mx.array:
+        """Exact path: read the union of routed experts, gather over it."""
+        host = np.array(inds)  # evaluates the graph up to the router
+        ids, local = np.unique(host, return_inverse=True)
+        weights = self.store.read(self.layer, ids).with_scales_dtype(self.scales_dtype)
+        local = mx.array(local.reshape(host.shape).astype(np.uint32))
+        return expert_glu(x, local, weights)

@@ -1,0 +1,73 @@
+"""Ling (mlx-lm ``bailing_moe`` and ``bailing_moe_v3``).
+
+bailing_moe: ``BailingMoeGate`` (``gate.gate_proj`` + optional
+``gate.expert_bias``) with grouped selection, optional shared experts.
+bailing_moe_v3: ``BailingGate`` (raw ``gate.weight``, float32 logits,
+sigmoid + expert_bias for selection only, -inf group masking), one shared MLP.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import bailing_moe, bailing_moe_v3
+
+from ..model import Edge0Model
+from ..routing import group_select, sigmoid_group
+from ..streaming import StreamingMoE
+
+
+class BailingMoeStreamingBlock(StreamingMoE):
+    """Replaces ``BailingMoeSparseMoeBlock``; keeps gate and shared experts."""
+
+    @classmethod
+    def from_stock(cls, block: bailing_moe.BailingMoeSparseMoeBlock, **kwargs) -> "BailingMoeStreamingBlock":
+        self = cls(**kwargs)
+        self.gate = block.gate
+        self.shared_experts = block.shared_experts
+        return self
+
+    def router_logits(self, x: mx.array) -> mx.array:
+        return self.gate.gate_proj(x)
+
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        g = self.gate
+        return group_select(
+            logits, g.expert_bias, self.top_k, g.n_group, g.topk_group,
+            g.routed_scaling_factor, g.norm_topk_prob, g.score_function,
+        )
+
+    def shared(self, x: mx.array):
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+
+class BailingMoeV3StreamingBlock(StreamingMoE):
+    """Replaces ``BailingSparseMoE``; keeps gate and shared experts."""
+
+    @classmethod
+    def from_stock(cls, block: bailing_moe_v3.BailingSparseMoE, **kwargs) -> "BailingMoeV3StreamingBlock":
+        self = cls(**kwargs)
+        self.gate = block.gate
+        self.shared_experts = block.shared_experts
+        return self
+
+    def router_logits(self, x: mx.array) -> mx.array:
+        return x.astype(mx.float32) @ self.gate.weight.astype(mx.float32).T
+
+    def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        g = self.gate
+        return sigmoid_group(
+            logits, g.expert_bias, self.top_k, g.n_group, g.topk_group, g.routed_scaling_factor
+        )
+
+    def shared(self, x: mx.array) -> mx.array:
+        return self.shared_experts(x)
+
+
+class BailingMoeModel(Edge0Model, bailing_moe.Model):
+    stock_block = bailing_moe.BailingMoeSparseMoeBlock
+    streaming_block = BailingMoeStreamingBlock
+
+
+class BailingMoeV3Model(Edge0Model, bailing_moe_v3.Model):
+    stock_block = bailing_moe_v3.BailingSparseMoE
+    streaming_block = BailingMoeV3StreamingBlock
