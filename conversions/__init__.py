@@ -1,6 +1,6 @@
 """The converter: source MoE checkpoints -> edge0 checkpoints."""
 
-from .convert import ConversionError, ConvertOptions, ConvertReport, convert, resolve_source
+from .converter import ConversionError, ConvertOptions, ConvertReport, convert, resolve_source
 from .registry import ARCHITECTURES, detect_forms
 
 __all__ = [

@@ -18,9 +18,9 @@ import signal
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -189,12 +189,26 @@ def _quantized_projection(w, scales, biases, in_dims: int, bits: int, group_size
     return mx.quantize(dense.astype(scales.dtype), group_size, bits)
 
 
-def convert(src: str | Path, out: str | Path, options: ConvertOptions = ConvertOptions()) -> ConvertReport:
-    """Convert SRC into an edge0 checkpoint at OUT (see module docstring)."""
-    t0 = time.perf_counter()
-    src_dir = resolve_source(src)
-    out_dir = Path(out).expanduser().resolve()
-    _check_paths(src_dir, out_dir, options.force)
+@dataclass
+class _Source:
+    """A source checkpoint opened lazily: sanitized weights, stock model, MoE layers."""
+
+    path: Path
+    config: dict
+    model: nn.Module
+    weights: dict
+    switch_paths: dict[int, str]  # MoE layer -> parameter path of its stacked experts
+
+    @property
+    def hidden_size(self) -> int:
+        return int(text_config(self.config)["hidden_size"])
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return int(text_config(self.config)["moe_intermediate_size"])
+
+
+def _open_source(src_dir: Path) -> _Source:
     try:
         config = read_config(src_dir)
         family = family_for(config, src_dir / CONFIG_FILE)
@@ -203,7 +217,6 @@ def convert(src: str | Path, out: str | Path, options: ConvertOptions = ConvertO
     if "edge0" in config:
         raise ConversionError(f"{src_dir / CONFIG_FILE}: SRC is already an edge0 checkpoint")
     arch = ARCHITECTURES[family.model_type]
-
     model = family.stock_module.Model(family.stock_module.ModelArgs.from_dict(config))
     raw = _load_source_weights(src_dir)
     forms = detect_forms(raw)
@@ -218,58 +231,77 @@ def convert(src: str | Path, out: str | Path, options: ConvertOptions = ConvertO
             f"{arch.model_type} experts must be stored as one of: {'; '.join(arch.expert_forms)} "
             f"(found: {', '.join(forms) or 'none'})"
         )
+    return _Source(src_dir, config, model, weights, switch_paths)
 
+
+def convert(src: str | Path, out: str | Path, options: ConvertOptions = ConvertOptions()) -> ConvertReport:
+    """Convert SRC into an edge0 checkpoint at OUT (see module docstring).
+
+    Raises:
+        ConversionError: naming the file and the problem; OUT is not created.
+    """
+    t0 = time.perf_counter()
+    src_dir = resolve_source(src)
+    out_dir = Path(out).expanduser().resolve()
+    _check_paths(src_dir, out_dir, options.force)
+    source = _open_source(src_dir)
+    try:
+        report = _write_checkpoint(source, out_dir, options)
+    except OSError as e:
+        raise ConversionError(
+            f"{out_dir}: conversion failed while writing ({e}); nothing was left behind"
+        ) from e
+    return replace(report, seconds=time.perf_counter() - t0)
+
+
+def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -> ConvertReport:
     requantized = []
 
-    def warn(src_bits, src_group):
+    def warn(src_bits: int, src_group: int) -> None:
         if not requantized:
             warnings.warn(
-                f"{src_dir}: experts are {src_bits}-bit group {src_group}; re-quantizing to "
+                f"{source.path}: experts are {src_bits}-bit group {src_group}; re-quantizing to "
                 f"{options.bits}-bit group {options.group_size} (quality may change)",
-                stacklevel=3,
+                stacklevel=2,
             )
         requantized.append(True)
 
-    tc = text_config(config)
-    hidden, inter = int(tc["hidden_size"]), int(tc["moe_intermediate_size"])
     with _atomic_dir(out_dir) as tmp:
         (tmp / EXPERT_DIR).mkdir()
         geometry = None
         expert_bytes = 0
-        layers = list(switch_paths.items())
-        bar = _progress(layers, options.show_progress, "experts")
-        with bar as items:
+        with _progress(list(source.switch_paths.items()), options.show_progress, "experts") as items:
             for layer, prefix in items:
                 stacked = {}
                 for proj in PROJECTIONS:
-                    in_dims = inter if proj == "down_proj" else hidden
+                    in_dims = source.moe_intermediate_size if proj == "down_proj" else source.hidden_size
                     q = _quantized_projection(
-                        *_source_projection(weights, prefix, proj, src_dir),
+                        *_source_projection(source.weights, prefix, proj, source.path),
                         in_dims, options.bits, options.group_size, warn,
                     )
                     mx.eval(q)
                     stacked[proj] = q
                 geometry = geometry or _geometry(stacked, options)
-                expert_bytes += _write_layer(tmp / expert_file(layer), stacked, geometry, layer, src_dir)
+                expert_bytes += _write_layer(tmp / expert_file(layer), stacked, geometry, layer, source.path)
                 del stacked
-        resident, quantization = _resident_weights(model, config, weights, switch_paths, options)
+        resident, quantization = _resident_weights(source, options)
         resident_bytes = _write_resident(tmp / RESIDENT_FILE, resident, options.show_progress)
         section = Edge0Section(
-            source_model_type=config["model_type"],
-            moe_layers=tuple(switch_paths),
+            source_model_type=source.config["model_type"],
+            moe_layers=tuple(source.switch_paths),
             experts=geometry,
-            num_experts_per_tok=int(tc["num_experts_per_tok"]),
+            num_experts_per_tok=int(text_config(source.config)["num_experts_per_tok"]),
             alignment=ALIGNMENT,
         )
-        _write_config(tmp, config, quantization, section)
+        _write_config(tmp, source.config, quantization, section)
         (tmp / SHIM_FILE).write_text(SHIM_SOURCE)
-        _copy_small_files(src_dir, tmp)
+        _copy_small_files(source.path, tmp)
     return ConvertReport(
         out=out_dir,
-        moe_layers=len(switch_paths),
+        moe_layers=len(source.switch_paths),
         expert_bytes=expert_bytes,
         resident_bytes=resident_bytes,
-        seconds=time.perf_counter() - t0,
+        seconds=0.0,
         requantized=bool(requantized),
     )
 
@@ -322,9 +354,10 @@ def _write_layer(path: Path, stacked: dict, geometry: ExpertGeometry, layer: int
     return path.stat().st_size
 
 
-def _resident_weights(model, config, weights, switch_paths, options):
+def _resident_weights(source: _Source, options: ConvertOptions):
     """Non-expert weights quantized as mlx-lm would (or as the source already is)."""
-    for i in switch_paths:
+    model, config, weights = source.model, source.config, source.weights
+    for i in source.switch_paths:
         delattr(model.layers[i].mlp, "switch_mlp")
     if config.get("quantization"):
         quantization = {

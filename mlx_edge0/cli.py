@@ -1,0 +1,143 @@
+"""The ``edge0`` command line: convert, generate, info, bench.
+
+The only module that reads argv; everything it does is a plain function call
+into the library with typed options.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from .options import COMPUTE_DTYPES, Options
+
+
+def _fail(message: str) -> None:
+    raise click.ClickException(message)
+
+
+@click.group()
+@click.version_option(package_name="mlx-edge0")
+def main() -> None:
+    """mlx-edge0: run MoE models that do not fit in memory from SSD, inside mlx-lm."""
+
+
+@main.command()
+@click.argument("src")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--bits", default=4, show_default=True, help="Routed-expert bits.")
+@click.option("--group-size", default=64, show_default=True, help="Quantization group size.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> None:
+    """Convert SRC (a local mlx-lm / Hugging Face MoE checkpoint dir or an HF repo id)
+    into an edge0 checkpoint at OUT."""
+    from .checkpoint import human_bytes
+    from .conversions import ConversionError, ConvertOptions, convert as run_convert
+
+    try:
+        report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force))
+    except (ConversionError, ValueError, OSError) as e:
+        _fail(str(e))
+    click.echo(
+        f"wrote {report.out}: {report.moe_layers} MoE layers, experts "
+        f"{human_bytes(report.expert_bytes)}, resident {human_bytes(report.resident_bytes)}, "
+        f"{report.seconds:.1f} s"
+    )
+
+
+def _options(compute_dtype: str, io_threads: int) -> Options:
+    try:
+        return Options(compute_dtype=compute_dtype, io_threads=io_threads)
+    except ValueError as e:
+        _fail(str(e))
+
+
+@main.command()
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="Edge0 checkpoint dir (default: the embedded default model).")
+@click.option("--prompt", "-p", default="def fibonacci(n):", show_default=True)
+@click.option("--max-tokens", "-m", default=64, show_default=True)
+@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
+@click.option("--top-p", default=0.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--min-p", default=0.0, show_default=True)
+@click.option("--seed", default=None, type=int, help="Random seed for sampling.")
+@click.option("--chat/--no-chat", default=False, show_default=True,
+              help="Apply the tokenizer's chat template to the prompt.")
+@click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default="auto", show_default=True)
+@click.option("--io-threads", default=Options.io_threads, show_default=True)
+@click.option("--stats", is_flag=True, help="Print expert-read telemetry.")
+def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: float,
+             top_p: float, top_k: int, min_p: float, seed: Optional[int], chat: bool,
+             compute_dtype: str, io_threads: int, stats: bool) -> None:
+    """Generate text with an edge0 checkpoint (stock mlx-lm generation loop)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from . import load
+    from .checkpoint import CheckpointError
+    from .tensorfile import TensorFileError
+
+    options = _options(compute_dtype, io_threads)
+    if model_path is None:
+        from .default_model import ensure_default_model
+
+        model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
+    try:
+        model, tokenizer = load(model_path, **options.to_dict())
+    except (CheckpointError, TensorFileError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if seed is not None:
+        mx.random.seed(seed)
+    if chat and tokenizer.chat_template is not None:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    model.reset_stats()
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
+        click.echo(response.text, nl=False)
+    click.echo()
+    if response is not None:
+        click.echo(
+            f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.2f} tok/s | "
+            f"generation: {response.generation_tokens} tokens, {response.generation_tps:.2f} tok/s | "
+            f"peak memory: {response.peak_memory:.3f} GB",
+            err=True,
+        )
+    if stats:
+        click.echo(json.dumps({"edge0_stats": model.stats()}, indent=2), err=True)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def info(checkpoint: Path, as_json: bool) -> None:
+    """Describe an edge0 checkpoint: layout, sizes, layers, heads and adapters."""
+    from .checkpoint import CheckpointError
+    from .info import describe, format_description
+    from .tensorfile import TensorFileError
+
+    try:
+        d = describe(checkpoint)
+    except (CheckpointError, TensorFileError) as e:
+        _fail(str(e))
+    click.echo(json.dumps(d, indent=2) if as_json else format_description(d))
+
+
+def _add_bench() -> None:
+    try:
+        from .bench.commands import bench
+    except ImportError as e:  # pragma: no cover - only while bench is absent
+        print(f"edge0: bench commands unavailable ({e})", file=sys.stderr)
+        return
+    main.add_command(bench)
+
+
+_add_bench()

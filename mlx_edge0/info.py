@@ -1,0 +1,97 @@
+"""``edge0 info``: what an edge0 checkpoint holds, validated on the way.
+
+Every expert file's header is checked exactly as the runtime checks it, and
+the ``trust_remote_code`` shim is compared with the one the converter writes,
+so ``info`` is also the way to vet a downloaded checkpoint before running it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import (
+    CONFIG_FILE,
+    RESIDENT_FILE,
+    SHIM_FILE,
+    SHIM_SOURCE,
+    Edge0Section,
+    expert_file,
+    human_bytes,
+    read_config,
+)
+from .store import LayerFile
+from .tensorfile import read_header
+
+OPTIONAL_FILES = ("prerouter.safetensors", "adapters.safetensors", "adapter_config.json")
+
+
+def describe(path: Path | str) -> dict[str, Any]:
+    """A JSON-able description of a checkpoint dir (raises on invalid files)."""
+    path = Path(path)
+    config = read_config(path)
+    section = Edge0Section.from_config(config, path / CONFIG_FILE)
+    resident = read_header(path / RESIDENT_FILE)
+    layers = []
+    for layer in section.moe_layers:
+        lf = LayerFile(path / expert_file(layer), section.experts, section.alignment)
+        lf.close()
+        layers.append({"layer": layer, "file": expert_file(layer),
+                       "bytes": (path / expert_file(layer)).stat().st_size})
+    shim = path / config.get("model_file", SHIM_FILE)
+    shim_text = shim.read_text() if shim.is_file() else None
+    g = section.experts
+    return {
+        "path": str(path.resolve()),
+        "model_type": config["model_type"],
+        "format_version": section.format_version,
+        "moe_layers": list(section.moe_layers),
+        "num_experts_per_tok": {str(i): section.num_experts_per_tok for i in section.moe_layers},
+        "experts": {
+            "num_experts": g.num_experts,
+            "hidden_size": g.hidden_size,
+            "intermediate_size": g.intermediate_size,
+            "bits": g.bits,
+            "group_size": g.group_size,
+            "scales_dtype": g.scales_dtype,
+            "bundle_bytes": g.bundle_bytes,
+            "alignment": section.alignment,
+        },
+        "expert_files": layers,
+        "expert_bytes": sum(x["bytes"] for x in layers),
+        "resident_bytes": resident.file_size,
+        "resident_tensors": len(resident.entries),
+        "quantization": {k: v for k, v in (config.get("quantization") or {}).items()
+                         if not isinstance(v, dict)},
+        "shim": {
+            "file": shim.name,
+            "ours": shim_text == SHIM_SOURCE,
+        },
+        "optional_files": {name: (path / name).exists() for name in OPTIONAL_FILES},
+    }
+
+
+def format_description(d: dict[str, Any]) -> str:
+    g = d["experts"]
+    lines = [
+        f"edge0 checkpoint {d['path']}",
+        f"  model_type      {d['model_type']} (format v{d['format_version']})",
+        f"  MoE layers      {len(d['moe_layers'])}: {d['moe_layers']}",
+        f"  experts         {g['num_experts']} x ({g['hidden_size']} -> {g['intermediate_size']}), "
+        f"int{g['bits']} group {g['group_size']}, scales {g['scales_dtype']}, "
+        f"{human_bytes(g['bundle_bytes'])}/expert",
+        f"  K per layer     {sorted(set(d['num_experts_per_tok'].values()))[0]} on every MoE layer",
+        f"  expert files    {human_bytes(d['expert_bytes'])} in {len(d['expert_files'])} files (headers valid)",
+        f"  resident        {human_bytes(d['resident_bytes'])} ({d['resident_tensors']} tensors)",
+        f"  quantization    {d['quantization']}",
+        f"  prerouter heads {'yes' if d['optional_files']['prerouter.safetensors'] else 'no'}",
+        f"  LoRA adapters   {'yes' if d['optional_files']['adapters.safetensors'] else 'no'}",
+    ]
+    if d["shim"]["ours"]:
+        lines.append(f"  remote code     {d['shim']['file']} is the mlx-edge0 shim (imports mlx_edge0 only)")
+    else:
+        lines.append(
+            f"  WARNING         {d['shim']['file']} is NOT the mlx-edge0 shim: "
+            "--trust-remote-code would run code mlx-edge0 did not write"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""Shared fixtures: a local tokenizer and, per family, a tiny stock mlx-lm
+model saved as an int4 mlx-lm checkpoint and converted to edge0 (built once
+per session; nothing is downloaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_edge0 import tiny
+from mlx_edge0.conversions import ConvertOptions, convert
+
+FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "bailing_moe", "bailing_moe_v3")
+
+
+@dataclass(frozen=True)
+class Converted:
+    model_type: str
+    source: Path  # stock mlx-lm int4 checkpoint
+    edge0: Path  # its edge0 conversion
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return tiny.train_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory, tokenizer_dir):
+    """model_type -> Converted, built lazily and cached for the session."""
+    cache: dict[str, Converted] = {}
+
+    def get(model_type: str) -> Converted:
+        if model_type not in cache:
+            root = tmp_path_factory.mktemp(model_type)
+            model, config = tiny.build_tiny_model(model_type, seed=0)
+            src = root / "source"
+            tiny.save_mlx(model, config, src, tokenizer_dir, bits=4)
+            out = root / "edge0"
+            convert(src, out, ConvertOptions(show_progress=False))
+            cache[model_type] = Converted(model_type, src, out)
+        return cache[model_type]
+
+    return get
+
+
+def load_stock(path: Path, dtype=mx.float32):
+    """Stock mlx-lm model (everything resident), cast like edge0's compute dtype."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    model.set_dtype(dtype)
+    return model
