@@ -378,7 +378,7 @@ def _write_resident(path: Path, weights: dict, show_progress: bool) -> int:
         bar = _progress([(n,) for n in names], show_progress, "resident")
         with bar as items:
             for (name,) in items:
-                writer.write(name, weights[name])
+                writer.write(name, weights.pop(name))  # release as written
     return path.stat().st_size
 
 

@@ -7,12 +7,12 @@ into the library with typed options.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import click
 
+from .bench.commands import bench
 from .options import COMPUTE_DTYPES, Options
 
 
@@ -131,13 +131,4 @@ def info(checkpoint: Path, as_json: bool) -> None:
     click.echo(json.dumps(d, indent=2) if as_json else format_description(d))
 
 
-def _add_bench() -> None:
-    try:
-        from .bench.commands import bench
-    except ImportError as e:  # pragma: no cover - only while bench is absent
-        print(f"edge0: bench commands unavailable ({e})", file=sys.stderr)
-        return
-    main.add_command(bench)
-
-
-_add_bench()
+main.add_command(bench)

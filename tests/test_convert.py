@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import mlx.core as mx

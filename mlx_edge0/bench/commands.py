@@ -1,0 +1,80 @@
+"""``edge0 bench``: synthetic checkpoints and stock-vs-edge0 timings."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from .runner import ARMS, CACHES, DTYPES, BenchOptions, markdown_table, run_bench
+from .synth import SynthOptions, geometries, synth_checkpoint
+
+
+def _csv(allowed: tuple[str, ...]):
+    def parse(ctx, param, value: str) -> tuple[str, ...]:
+        items = tuple(v.strip() for v in value.split(",") if v.strip())
+        bad = [v for v in items if v not in allowed]
+        if bad or not items:
+            raise click.BadParameter(f"{value!r}: use a comma list of {', '.join(allowed)}")
+        return items
+
+    return parse
+
+
+@click.group()
+def bench():
+    """Synthetic checkpoints and timing benchmarks."""
+
+
+@bench.command()
+@click.option("--geometry", required=True, type=click.Choice(sorted(geometries())))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--layers", type=click.IntRange(min=1), help="Keep only N decoder layers.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: bool):
+    """Write a random-weight stock mlx-lm int4 checkpoint of a public model's shape to OUT."""
+    try:
+        options = SynthOptions(geometry, layers=layers, seed=seed, force=force)
+        report = synth_checkpoint(out, options)
+    except (ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(
+        f"Wrote {report.path}: {report.total_bytes / 1e9:.2f} GB in {report.shards} shards, "
+        f"{report.tensors} tensors, {report.seconds:.1f} s"
+    )
+
+
+@bench.command("run")
+@click.option("--stock", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Stock mlx-lm checkpoint (e.g. from `edge0 bench synth`).")
+@click.option("--edge0", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The same model converted by `edge0 convert`.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Results JSON (rewritten after every run).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--arms", default=",".join(ARMS), show_default=True, callback=_csv(ARMS))
+@click.option("--cache", "caches", default=",".join(CACHES), show_default=True,
+              callback=_csv(CACHES), help="Page-cache state before each run.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+              help="Compute dtype of both arms.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed.")
+@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
+              help="Seconds before a run is killed and recorded as failed.")
+def run(out: Path, **kwargs):
+    """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
+    try:
+        options = BenchOptions(out=out, **kwargs)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    results = run_bench(options, command=[shlex.quote(a) for a in sys.argv])
+    click.echo(markdown_table(results["summary"]))
+    click.echo(f"\nResults: {out}")
+    summary = results["summary"]["arms"].values()
+    if any(e["ok"] == 0 for e in summary):
+        sys.exit(1)

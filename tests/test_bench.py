@@ -1,0 +1,203 @@
+"""Synthetic checkpoints load in stock mlx-lm; the runner measures and reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+from mlx_edge0.bench.commands import bench
+from mlx_edge0.bench.runner import (
+    BenchOptions,
+    RunSpec,
+    markdown_table,
+    run_bench,
+    run_child,
+)
+from mlx_edge0.bench.synth import SynthOptions, plan_shards, synth_checkpoint
+
+# Widths shrunk so every family loads and runs in about a second; layer counts
+# cover both attention kinds of the hybrids.
+SMALL = {
+    "ling-3.0-tiny": (4, {
+        "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
+        "num_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+        "num_attention_heads": 2, "head_dim": 64, "q_lora_rank": 64, "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
+    }),
+    "qwen3.5-35b-a3b": (4, {
+        "vocab_size": 512, "hidden_size": 128, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 64, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+        "num_experts": 16, "num_experts_per_tok": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                            "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2]},
+    }),
+    "qwen3-30b-a3b": (2, {
+        "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "moe_intermediate_size": 64, "num_experts": 16, "num_experts_per_tok": 4,
+    }),
+}  # fmt: skip
+
+
+def small_options(geometry: str, seed: int = 0, **kwargs) -> SynthOptions:
+    layers, overrides = SMALL[geometry]
+    return SynthOptions(geometry, layers=layers, seed=seed, overrides=overrides, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def small_ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("small")
+    return {
+        g: synth_checkpoint(root / g, small_options(g), progress=lambda _: None).path
+        for g in SMALL
+    }
+
+
+def _moe_blocks(model):
+    return [l.mlp for l in model.layers if hasattr(l.mlp, "switch_mlp")]
+
+
+def _run(model, tokens: list[int]) -> mx.array:
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([tokens]), cache=cache)
+    step = model(mx.argmax(logits[:, -1:], axis=-1), cache=cache)
+    return mx.concatenate([logits, step], axis=1)
+
+
+def _check_stock_load(path: Path, tokens: list[int]) -> tuple:
+    model, config = load_model(path, strict=True)
+    assert config["quantization"]["bits"] == 4
+    assert config["quantization"]["group_size"] == 64
+    assert config["edge0_synthetic"]["seed"] == 0
+    for block in _moe_blocks(model):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            layer = getattr(block.switch_mlp, proj)
+            assert (layer.bits, layer.group_size, layer.mode) == (4, 64, "affine")
+            assert layer.scales.dtype == mx.bfloat16
+    model.set_dtype(mx.float32)
+    logits = _run(model, tokens)
+    assert mx.all(mx.isfinite(logits)).item()
+    assert len(set(mx.argmax(logits[0], axis=-1).tolist())) > 1
+    return model, config
+
+
+def test_ling_full_width_loads_in_stock_mlx_lm(tmp_path):
+    opts = SynthOptions("ling-3.0-tiny", layers=2)
+    report = synth_checkpoint(tmp_path / "ling", opts, progress=lambda _: None)
+    index = json.loads((report.path / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)
+    ]
+    model, config = _check_stock_load(report.path, [1, 500, 9000])
+    assert config["model_type"] == "bailing_hybrid"
+    assert model.model.word_embeddings.weight.shape == (157184, 1536)
+    assert _moe_blocks(model)[0].switch_mlp.gate_proj.weight.shape == (128, 512, 1536 // 8)
+
+
+@pytest.mark.parametrize("geometry", list(SMALL))
+def test_small_variants_load_and_route(small_ckpts, geometry):
+    model, config = _check_stock_load(small_ckpts[geometry], list(range(1, 40, 3)))
+    quant = config["quantization"]
+    if geometry.startswith("qwen"):
+        gates = [k for k, v in quant.items() if k.endswith("mlp.gate")]
+        assert gates and all(quant[k]["bits"] == 8 for k in gates)
+    # Routers spread tokens over experts: 16 tokens must not share one top-k.
+    block = _moe_blocks(model)[0]
+    x = mx.random.normal((16, model.model.norm.weight.shape[0]), key=mx.random.key(1))
+    if hasattr(block.gate, "expert_bias"):
+        indices, _ = block.gate(x)
+    else:
+        indices = mx.argpartition(-block.gate(x), kth=3, axis=-1)[:, :4]
+    assert len(set(indices.flatten().tolist())) >= 12
+
+
+def test_same_seed_same_bytes_and_layers_independent(tmp_path, small_ckpts):
+    g = "ling-3.0-tiny"
+    again = synth_checkpoint(tmp_path / "again", small_options(g), progress=lambda _: None)
+    other = synth_checkpoint(tmp_path / "other", small_options(g, seed=1), progress=lambda _: None)
+    shard = "model-00003-of-00006.safetensors"  # layer 1: the first MoE layer
+    same = (small_ckpts[g] / shard).read_bytes()
+    assert (again.path / shard).read_bytes() == same
+    assert (other.path / shard).read_bytes() != same
+    # A layer's bytes do not depend on depth (8 layers repeat the 4-layer pattern).
+    deeper = SynthOptions(g, layers=8, overrides=SMALL[g][1])
+    eight = synth_checkpoint(tmp_path / "eight", deeper, progress=lambda _: None)
+    assert (eight.path / "model-00003-of-00010.safetensors").read_bytes() == same
+
+
+def test_existing_out_refused_without_force(tmp_path, small_ckpts):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="--force"):
+        synth_checkpoint(out, small_options("qwen3-30b-a3b"))
+    assert (out / "keep.txt").read_text() == "mine"
+    result = CliRunner().invoke(bench, ["synth", "--geometry", "ling-3.0-tiny", str(out)])
+    assert result.exit_code != 0 and "--force" in result.output
+
+    synth_checkpoint(out, small_options("qwen3-30b-a3b", force=True), progress=lambda _: None)
+    assert not (out / "keep.txt").exists()
+    assert (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dirs left
+
+
+def test_bad_layer_count_is_explained():
+    with pytest.raises(ValueError, match="full_attention_interval"):
+        SynthOptions("qwen3.5-35b-a3b", layers=2)
+    with pytest.raises(ValueError, match="unknown geometry"):
+        SynthOptions("llama")
+
+
+def test_plan_shards_groups_by_layer():
+    names = ["m.embed.weight", "m.layers.0.a", "m.layers.0.b", "m.layers.1.a", "m.norm", "lm_head"]
+    shards = plan_shards(names)
+    assert [s.label for s in shards] == ["embeddings", "layer 0", "layer 1", "head"]
+    assert shards[-1].file == "model-00004-of-00004.safetensors"
+    assert sum(len(s.names) for s in shards) == len(names)
+
+
+def test_runner_child_measures_stock_arm(small_ckpts):
+    spec = RunSpec("stock", small_ckpts["qwen3-30b-a3b"], 8, 4, "float32", 0)
+    r = run_child(spec, timeout_s=120)
+    assert r["ok"], r.get("stderr_tail")
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    assert r["peak_memory"] > 0 and r["active_memory_after_load"] > 0
+    assert r["peak_rss"] > r["active_memory_after_load"]
+    assert r["logits_finite"] and len(r["tokens"]) == 1 + 2 + 4
+
+
+def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):
+    path = small_ckpts["qwen3-30b-a3b"]
+    opts = BenchOptions(
+        out=tmp_path / "results.json", stock=path, edge0=path, rounds=1,
+        prompt_tokens=4, decode_tokens=2, caches=("cold", "warm"),
+    )  # fmt: skip
+    results = run_bench(opts, command=["test"], progress=lambda _: None)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["summary"] == results["summary"]
+    assert [(r["arm"], r["cache"]) for r in saved["runs"]] == [
+        ("stock", "cold"), ("edge0-exact", "cold"), ("stock", "warm"), ("edge0-exact", "warm"),
+    ]
+    stock, edge0 = saved["summary"]["arms"]["stock/cold"], saved["summary"]["arms"]["edge0-exact/cold"]
+    assert stock["ok"] == 1 and stock["decode_tok_s"]["median"] > 0
+    assert edge0["ok"] == 0 and saved["runs"][1]["stderr_tail"]  # not an edge0 checkpoint
+    table = markdown_table(saved["summary"])
+    assert "| stock | cold | 1/1 |" in table and "edge0-exact/cold failed" in table
+    assert saved["machine"]["cpu_count"] >= 1
+
+
+def test_bench_options_validate(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="--edge0"):
+        BenchOptions(out=tmp_path / "r.json", stock=tmp_path)
+    with pytest.raises(ValueError, match="unknown"):
+        BenchOptions(out=tmp_path / "r.json", arms=("fast",))
