@@ -13,7 +13,7 @@ from typing import Optional
 import click
 
 from .bench.commands import bench
-from .options import COMPUTE_DTYPES, Options
+from .options import COMPUTE_DTYPES, HOT_POLICIES, PREFILL_PATHS, Options
 
 
 def _fail(message: str) -> None:
@@ -49,9 +49,40 @@ def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> Non
     )
 
 
-def _options(compute_dtype: str, io_threads: int) -> Options:
+def _cache_gib(ctx, param, value: str):
+    if value == "auto":
+        return value
     try:
-        return Options(compute_dtype=compute_dtype, io_threads=io_threads)
+        return float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use 'auto' or a number of GiB") from None
+
+
+def option_flags(f):
+    """The :class:`Options` fields as flags (shared by commands that load a model)."""
+    flags = [
+        click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default="auto", show_default=True,
+                     help="float32 on CPU by default; the checkpoint's dtype on Metal."),
+        click.option("--io-threads", default=Options.io_threads, show_default=True),
+        click.option("--cache-gib", default="auto", show_default=True, callback=_cache_gib,
+                     help="Hot expert cache budget in GiB ('auto': from available memory; 0: off)."),
+        click.option("--hot-policy", type=click.Choice(HOT_POLICIES), default=Options.hot_policy,
+                     show_default=True),
+        click.option("--staged/--no-staged", default=Options.staged, show_default=True,
+                     help="Decode through per-layer staged double buffers."),
+        click.option("--staged-slots", default=Options.staged_slots, show_default=True,
+                     help="Slots per staged buffer (0 = K)."),
+        click.option("--prefill", type=click.Choice(PREFILL_PATHS), default=Options.prefill,
+                     show_default=True, help="Prompt-chunk path."),
+    ]
+    for flag in reversed(flags):
+        f = flag(f)
+    return f
+
+
+def _options(**fields) -> Options:
+    try:
+        return Options(**fields)
     except ValueError as e:
         _fail(str(e))
 
@@ -68,12 +99,11 @@ def _options(compute_dtype: str, io_threads: int) -> Options:
 @click.option("--seed", default=None, type=int, help="Random seed for sampling.")
 @click.option("--chat/--no-chat", default=False, show_default=True,
               help="Apply the tokenizer's chat template to the prompt.")
-@click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default="auto", show_default=True)
-@click.option("--io-threads", default=Options.io_threads, show_default=True)
-@click.option("--stats", is_flag=True, help="Print expert-read telemetry.")
+@option_flags
+@click.option("--stats", is_flag=True, help="Print telemetry: reads, hits, waits, resident bytes.")
 def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: float,
              top_p: float, top_k: int, min_p: float, seed: Optional[int], chat: bool,
-             compute_dtype: str, io_threads: int, stats: bool) -> None:
+             stats: bool, **option_fields) -> None:
     """Generate text with an edge0 checkpoint (stock mlx-lm generation loop)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
@@ -83,7 +113,7 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: flo
     from .checkpoint import CheckpointError
     from .tensorfile import TensorFileError
 
-    options = _options(compute_dtype, io_threads)
+    options = _options(**option_fields)
     if model_path is None:
         from .default_model import ensure_default_model
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from .checkpoint import CheckpointError, Edge0Section
 from .options import Options
-from .store import ExpertStore
+from .runtime import StreamingRuntime
 from .streaming import StreamingMoE
 
 
@@ -46,9 +46,7 @@ class Edge0Model:
         self.edge0_options = args.options
         self.edge0_section = args.section
         self.compute_dtype: Optional[mx.Dtype] = args.options.dtype()
-        self.expert_store = ExpertStore(
-            args.checkpoint_dir, args.section, io_threads=args.options.io_threads
-        )
+        self.edge0_runtime = StreamingRuntime(args.checkpoint_dir, args.section, args.options)
         layers = self.layers
         stock_moe = [i for i, layer in enumerate(layers) if isinstance(layer.mlp, self.stock_block)]
         if list(args.section.moe_layers) != stock_moe:
@@ -61,9 +59,8 @@ class Edge0Model:
             layers[i].mlp = self.streaming_block.from_stock(
                 layers[i].mlp,
                 layer=i,
-                store=self.expert_store,
+                runtime=self.edge0_runtime,
                 num_experts_per_tok=args.section.num_experts_per_tok,
-                scales_dtype=self.compute_dtype,
             )
 
     def sanitize(self, weights: dict) -> dict:
@@ -84,8 +81,10 @@ class Edge0Model:
         }
 
     def stats(self) -> dict:
-        """Counters of expert reads since load (or the last reset)."""
-        return self.expert_store.counters.as_dict()
+        """Telemetry since load (or the last reset): summed counters, the last
+        step, resident bytes per tier, peak MLX memory."""
+        return self.edge0_runtime.stats()
 
     def reset_stats(self) -> None:
-        self.expert_store.reset_counters()
+        self.edge0_runtime.telemetry.reset()
+        mx.reset_peak_memory()

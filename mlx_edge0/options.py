@@ -7,13 +7,32 @@ defaults. The CLI is the only place that reads argv.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 
 RUNTIME_KEY = "edge0_runtime"
 COMPUTE_DTYPES = ("auto", "native", "float32", "bfloat16", "float16")
+PREFILL_PATHS = ("auto", "whole-layer", "exact")
+HOT_POLICIES = ("lfu", "lru")
+GIB = 1 << 30
+# "auto" hot cache: this share of available memory, at most this share of the experts.
+AUTO_CACHE_MEMORY_SHARE = 0.10
+AUTO_CACHE_EXPERT_SHARE = 0.25
+
+
+def available_memory() -> int:
+    """Bytes the OS could give us now (Linux MemAvailable; else half of RAM)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 @dataclass(frozen=True)
@@ -26,10 +45,24 @@ class Options:
             faster and more accurate) and in the checkpoint's dtype on a GPU;
             "native" never casts; or an explicit float dtype.
         io_threads: threads that read expert bytes with ``preadv``.
+        cache_gib: hot-cache budget in GiB, or "auto" (10% of available
+            memory, at most a quarter of the experts: room is left for the
+            page cache and KV). 0 disables the hot cache.
+        hot_policy: "lfu" (frequency with aging) or "lru".
+        staged: decode through per-layer staged double buffers.
+        staged_slots: slots per staged buffer (0 = K, one routed set).
+        prefill: prompt-chunk path: "auto" (whole layer when the chunk routes
+            to about every expert, else the decode fallback), "whole-layer",
+            or "exact".
     """
 
     compute_dtype: str = "auto"
     io_threads: int = 4
+    cache_gib: Union[float, str] = "auto"
+    hot_policy: str = "lfu"
+    staged: bool = False
+    staged_slots: int = 0
+    prefill: str = "auto"
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -39,6 +72,23 @@ class Options:
             )
         if not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be an integer in 1..64, got {self.io_threads!r}")
+        if self.cache_gib != "auto" and not (
+            isinstance(self.cache_gib, (int, float)) and self.cache_gib >= 0
+        ):
+            raise ValueError(f"cache_gib must be 'auto' or a number >= 0, got {self.cache_gib!r}")
+        if self.hot_policy not in HOT_POLICIES:
+            raise ValueError(f"hot_policy must be one of {', '.join(HOT_POLICIES)}, got {self.hot_policy!r}")
+        if not isinstance(self.staged_slots, int) or self.staged_slots < 0:
+            raise ValueError(f"staged_slots must be an integer >= 0, got {self.staged_slots!r}")
+        if self.prefill not in PREFILL_PATHS:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
+
+    def cache_bytes(self, expert_bytes: int) -> int:
+        """The hot-cache budget for a model whose experts total ``expert_bytes``."""
+        if self.cache_gib == "auto":
+            return int(min(AUTO_CACHE_MEMORY_SHARE * available_memory(),
+                           AUTO_CACHE_EXPERT_SHARE * expert_bytes))
+        return int(self.cache_gib * GIB)
 
     def dtype(self) -> Optional[mx.Dtype]:
         """The dtype floating weights are cast to, or None to keep them."""

@@ -15,20 +15,22 @@ Contract:
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import PARTS, PROJECTIONS, Edge0Section, ExpertGeometry, expert_file, tensor_name
-from .expert_math import ExpertWeights, Projection
-from .tensorfile import DTYPES, TensorFileError, read_header
+from .checkpoint import Edge0Section, ExpertGeometry, expert_file, tensor_name
+from .expert_math import ExpertWeights
+from .slots import SlotBuffers
+from .telemetry import Telemetry
+from .tensorfile import DTYPES, MX_TO_CODE, TensorFileError, read_header
 
 IOV_MAX = 1024
 
@@ -70,24 +72,6 @@ def plan_reads(
         else:
             runs.append(ReadRun(row, (e,), offsets[e]))
     return runs
-
-
-@dataclass
-class StoreCounters:
-    """What the store has read since the last reset (cheap; updated per read)."""
-
-    expert_loads: int = 0
-    bytes_read: int = 0
-    reads: int = 0
-    read_wait_s: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "expert_loads": self.expert_loads,
-            "bytes_read": self.bytes_read,
-            "reads": self.reads,
-            "read_wait_ms": round(self.read_wait_s * 1e3, 3),
-        }
 
 
 class LayerFile:
@@ -168,20 +152,78 @@ def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: Path) -> 
     return total
 
 
-@dataclass
-class _Buffers:
-    """Destination arrays of one read and the byte views I/O threads fill."""
+def _convert(src: memoryview, dst: memoryview, src_code: str, dst_code: str) -> None:
+    """Widen scales/biases into the compute dtype (exactly as ``astype`` would)."""
+    if src_code == "BF16" and dst_code == "F32":
+        widened = np.frombuffer(src, np.uint16).astype(np.uint32)
+        np.left_shift(widened, 16, out=np.frombuffer(dst, np.uint32))
+    elif src_code == "F16" and dst_code == "F32":
+        np.frombuffer(dst, np.float32)[:] = np.frombuffer(src, np.float16)
+    else:  # pragma: no cover - guarded by convertible()
+        raise ValueError(f"cannot convert {src_code} to {dst_code}")
 
-    arrays: list[mx.array]
-    views: list[memoryview] = field(default_factory=list)
+
+def convertible(src_code: str, dst_code: str) -> bool:
+    return src_code == dst_code or (src_code, dst_code) in (("BF16", "F32"), ("F16", "F32"))
+
+
+def _read_run(fd: int, views: list[memoryview], offset: int, path: Path,
+              conversions: list[tuple[memoryview, memoryview]], src_code: str, dst_code: str) -> int:
+    """I/O thread: one coalesced preadv, then widen scales. No MLX calls here."""
+    n = _preadv_exact(fd, views, offset, path)
+    for src, dst in conversions:
+        _convert(src, dst, src_code, dst_code)
+    return n
+
+
+class ReadBatch:
+    """Reads in flight for one layer (its *future*): ``wait`` blocks only here."""
+
+    def __init__(self, futures: list[Future], loads: int, telemetry: Telemetry):
+        self.futures = futures
+        self.loads = loads
+        self.telemetry = telemetry
+        self._waited = False
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def settle(self) -> None:
+        """Wait until no I/O thread writes into the targets any more, without
+        consuming results: for read-ahead that is being discarded (a failure
+        there is raised again by whoever reads that data for real)."""
+        wait_all(self.futures)
+
+    def wait(self) -> None:
+        """Block until every read landed; raise the first failure (after all ended)."""
+        if self._waited:
+            return
+        t0 = time.perf_counter()
+        nbytes = 0
+        error = None
+        for f in self.futures:
+            try:
+                nbytes += f.result()
+            except BaseException as e:
+                error = error or e
+        self._waited = True
+        stats = self.telemetry.current
+        stats.exposed_wait_s += time.perf_counter() - t0
+        if error is not None:
+            raise error
+        stats.expert_loads += self.loads
+        stats.bytes_read += nbytes
+        stats.reads += len(self.futures)
 
 
 class ExpertStore:
     """Reads routed experts of the MoE layers of one checkpoint."""
 
-    def __init__(self, checkpoint_dir: Path | str, section: Edge0Section, io_threads: int = 4):
+    def __init__(self, checkpoint_dir: Path | str, section: Edge0Section, io_threads: int = 4,
+                 telemetry: Optional[Telemetry] = None):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.geometry = section.experts
+        self.telemetry = telemetry or Telemetry()
         self.layers: dict[int, LayerFile] = {}
         self._pool = None
         try:
@@ -198,74 +240,63 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io")
         weakref.finalize(self, _release, self._pool, list(self.layers.values()))
         self._pad = bytearray(max(1, self.geometry.pad_bytes(section.alignment)))
-        self._lock = threading.Lock()
-        self.counters = StoreCounters()
 
     @property
     def bundle_bytes(self) -> int:
         return self.geometry.bundle_bytes
 
-    def _allocate(self, n: int) -> _Buffers:
-        arrays = []
-        for _, _, dtype, shape in self.geometry.parts():
-            arrays.append(mx.zeros((n, *shape), dtype=DTYPES[dtype][0]))
-        mx.eval(arrays)
-        return _Buffers(arrays, [memoryview(a).cast("B") for a in arrays])
+    def submit(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers) -> ReadBatch:
+        """Start reading expert ``ids[i]`` of ``layer`` into row ``rows[i]`` of ``target``.
 
-    def read(self, layer: int, ids: Sequence[int]) -> ExpertWeights:
-        """Read experts ``ids`` (sorted, unique) of ``layer`` into stacked arrays.
-
-        Row i of every returned array holds expert ``ids[i]``. Call on the
-        compute thread; blocks until the bytes are in.
+        Experts adjacent on disk are coalesced into one preadv whatever their
+        rows. Call on the compute thread; returns at once.
         """
         lf = self.layers[layer]
-        ids = [int(e) for e in ids]
-        if any(not 0 <= e < self.geometry.num_experts for e in ids):
-            raise ValueError(f"layer {layer}: expert id out of range in {ids}")
-        buffers = self._allocate(len(ids))
+        pairs = sorted(zip((int(e) for e in ids), rows))
+        if any(not 0 <= e < self.geometry.num_experts for e, _ in pairs):
+            raise ValueError(f"layer {layer}: expert id out of range in {list(ids)}")
+        src_code, dst_code = self.geometry.scales_dtype, target.scales_code
+        widen = src_code != dst_code
         part_bytes = lf.part_bytes
-        has_pad = lf.stride != lf.bundle_bytes
+        pad = memoryview(self._pad)[: lf.stride - lf.bundle_bytes]
         max_run = max(1, IOV_MAX // (len(part_bytes) + 1))
-        futures: list[Future] = []
-        t0 = time.perf_counter()
-        for run in plan_reads(ids, lf.offsets, lf.stride, max_run):
-            views = []
+        futures = []
+        for run in plan_reads([e for e, _ in pairs], lf.offsets, lf.stride, max_run):
+            views, conversions = [], []
             for j in range(len(run.ids)):
-                row = run.first_row + j
-                for view, nb in zip(buffers.views, part_bytes):
-                    views.append(view[row * nb : (row + 1) * nb])
-                if has_pad and j < len(run.ids) - 1:
-                    views.append(memoryview(self._pad)[: lf.stride - lf.bundle_bytes])
-            futures.append(self._pool.submit(_preadv_exact, lf.fd, views, run.offset, lf.path))
-        nbytes = 0
-        error = None
-        for f in futures:
-            try:
-                nbytes += f.result()
-            except BaseException as e:  # raise the first, after all reads ended
-                error = error or e
-        if error is not None:
-            raise error
-        with self._lock:
-            c = self.counters
-            c.expert_loads += len(ids)
-            c.bytes_read += nbytes
-            c.reads += len(futures)
-            c.read_wait_s += time.perf_counter() - t0
-        a = buffers.arrays
-        g = self.geometry
-        return ExpertWeights(
-            Projection(*a[0:3]), Projection(*a[3:6]), Projection(*a[6:9]),
-            group_size=g.group_size, bits=g.bits,
-        )
+                dest = target.row_views(pairs[run.first_row + j][1])
+                for k, (d, nb) in enumerate(zip(dest, part_bytes)):
+                    if widen and k % 3:  # scales, biases
+                        scratch = memoryview(bytearray(nb))
+                        conversions.append((scratch, d))
+                        views.append(scratch)
+                    else:
+                        views.append(d)
+                if pad.nbytes and j < len(run.ids) - 1:
+                    views.append(pad)
+            futures.append(self._pool.submit(
+                _read_run, lf.fd, views, run.offset, lf.path, conversions, src_code, dst_code
+            ))
+        return ReadBatch(futures, len(pairs), self.telemetry)
 
-    def reset_counters(self) -> None:
-        with self._lock:
-            self.counters = StoreCounters()
+    def read(self, layer: int, ids: Sequence[int], scales_dtype: Optional[mx.Dtype] = None) -> ExpertWeights:
+        """Read experts ``ids`` of ``layer`` into fresh stacked arrays (row i = ids[i])."""
+        target = SlotBuffers(self.geometry, len(ids), pool_scales_dtype(self.geometry, scales_dtype))
+        self.submit(layer, ids, range(len(ids)), target).wait()
+        return target.weights().with_scales_dtype(scales_dtype)
 
     def close(self) -> None:
         """Stop the I/O threads and close the files."""
         _release(self._pool, list(self.layers.values()))
+
+
+def pool_scales_dtype(geometry, compute_dtype: Optional[mx.Dtype]) -> mx.Dtype:
+    """The dtype slot buffers hold scales in: the compute dtype when the I/O
+    threads can widen to it exactly, else the on-disk dtype (cast at compute)."""
+    disk = DTYPES[geometry.scales_dtype][0]
+    if compute_dtype is None:
+        return disk
+    return compute_dtype if convertible(geometry.scales_dtype, MX_TO_CODE[compute_dtype]) else disk
 
 
 def _release(pool: ThreadPoolExecutor | None, files: list[LayerFile]) -> None:
@@ -275,4 +306,4 @@ def _release(pool: ThreadPoolExecutor | None, files: list[LayerFile]) -> None:
         lf.close()
 
 
-__all__ = ["ExpertStore", "ExpertReadError", "plan_reads", "ReadRun", "PARTS", "PROJECTIONS"]
+__all__ = ["ExpertStore", "ExpertReadError", "ReadBatch", "plan_reads", "ReadRun", "pool_scales_dtype"]

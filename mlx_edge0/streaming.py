@@ -15,30 +15,27 @@ post-attention-norm output (every supported family calls
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from .expert_math import expert_glu
-from .store import ExpertStore
+if TYPE_CHECKING:
+    from .runtime import StreamingRuntime
 
 
 class StreamingMoE(nn.Module):
-    """Routed experts read from an :class:`ExpertStore` (exact path).
+    """Routed experts served by the model's :class:`StreamingRuntime`.
 
     Subclasses keep the stock block's router and shared-expert modules under
     their stock attribute names, so the resident weights load unchanged.
     """
 
-    def __init__(self, layer: int, store: ExpertStore, num_experts_per_tok: int,
-                 scales_dtype: Optional[mx.Dtype]):
+    def __init__(self, layer: int, runtime: "StreamingRuntime", num_experts_per_tok: int):
         super().__init__()
         self.layer = layer
-        self.store = store
+        self.runtime = runtime
         self.top_k = num_experts_per_tok
-        self.scales_dtype = scales_dtype
 
     def router_logits(self, x: mx.array) -> mx.array:
         raise NotImplementedError
@@ -51,16 +48,9 @@ class StreamingMoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         # x: [B, L, D]; inds, scores: [B, L, K]
+        path = self.runtime.path_for(self.layer, x)
         inds, scores = self.route(self.router_logits(x))
-        y = self.routed_experts(x, inds)  # [B, L, K, D]
+        y = path.experts(self.layer, x, inds)  # [B, L, K, D]
         y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
         shared = self.shared(x)
         return y if shared is None else y + shared
-
-    def routed_experts(self, x: mx.array, inds: mx.array) -> mx.array:
-        """Exact path: read the union of routed experts, gather over it."""
-        host = np.array(inds)  # evaluates the graph up to the router
-        ids, local = np.unique(host, return_inverse=True)
-        weights = self.store.read(self.layer, ids).with_scales_dtype(self.scales_dtype)
-        local = mx.array(local.reshape(host.shape).astype(np.uint32))
-        return expert_glu(x, local, weights)

@@ -44,11 +44,11 @@ def test_read_is_byte_exact(converted, ids):
         for part in ("weight", "scales", "biases"):
             want = mx.stack([ref[f"experts.{e}.{proj}.{part}"] for e in ids])
             assert mx.array_equal(getattr(p, part), want).item(), (proj, part)
-    assert store.counters.expert_loads == len(ids)
+    assert store.telemetry.current.expert_loads == len(ids)
     # bytes from disk: the bundles, plus alignment padding inside coalesced runs
     bundle = section.experts.bundle_bytes
     stride = bundle + section.experts.pad_bytes(section.alignment)
-    assert len(ids) * bundle <= store.counters.bytes_read <= len(ids) * stride
+    assert len(ids) * bundle <= store.telemetry.current.bytes_read <= len(ids) * stride
     store.close()
 
 
@@ -84,7 +84,7 @@ def test_exact_path_vs_dequantized_fp32(converted, family):
     mx.random.seed(0)
     x = mx.random.normal((2, 5, model.edge0_section.experts.hidden_size))
     inds, scores = block.route(block.router_logits(x))
-    y = block.routed_experts(x, inds)
+    y = model.edge0_runtime.exact.experts(block.layer, x, inds)
     got = np.array((y * scores[..., None]).sum(axis=-2)).reshape(10, -1)
     want = _dequantized_reference(x, inds, scores, path, block.layer)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)

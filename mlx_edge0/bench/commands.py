@@ -9,7 +9,7 @@ from typing import Optional
 
 import click
 
-from .runner import ARMS, CACHES, DTYPES, BenchOptions, markdown_table, run_bench
+from .runner import ARMS, CACHES, DTYPES, BenchOptions, markdown_table, parse_arm, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
 
 
@@ -22,6 +22,25 @@ def _csv(allowed: tuple[str, ...]):
         return items
 
     return parse
+
+
+def _arms(ctx, param, value: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    try:
+        for arm in items:
+            parse_arm(arm)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    if not items:
+        raise click.BadParameter("no arms given")
+    return items
+
+
+def _budgets(ctx, param, value: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use a comma list of GiB, e.g. 0.25,0.5,1") from None
 
 
 @click.group()
@@ -58,7 +77,10 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--arms", default=",".join(ARMS), show_default=True, callback=_csv(ARMS))
+@click.option("--arms", default="stock,edge0-exact", show_default=True, callback=_arms,
+              help=f"Comma list of {', '.join(ARMS)}; hot/staged take a budget as ARM@GiB.")
+@click.option("--cache-gib", "budgets", default="", callback=_budgets,
+              help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.")
 @click.option("--cache", "caches", default=",".join(CACHES), show_default=True,
               callback=_csv(CACHES), help="Page-cache state before each run.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
@@ -66,10 +88,16 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed.")
 @click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
               help="Seconds before a run is killed and recorded as failed.")
-def run(out: Path, **kwargs):
+def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
+    expanded = []
+    for arm in arms:
+        if budgets and "@" not in arm and arm in ("edge0-hot", "edge0-staged"):
+            expanded += [f"{arm}@{b:g}" for b in budgets]
+        else:
+            expanded.append(arm)
     try:
-        options = BenchOptions(out=out, **kwargs)
+        options = BenchOptions(out=out, arms=tuple(expanded), **kwargs)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     results = run_bench(options, command=[shlex.quote(a) for a in sys.argv])

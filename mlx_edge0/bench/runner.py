@@ -22,7 +22,29 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-ARMS = ("stock", "edge0-exact")
+ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged")
+# Load options per edge0 arm. Staged uses the routing of the current step until
+# the prerouter provides predictions; hot and staged take a budget: ARM@GiB.
+ARM_OPTIONS = {
+    "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact"),
+    "edge0-hot": dict(staged=False, prefill="auto"),
+    "edge0-staged": dict(staged=True, prefill="auto"),
+}
+ARM_LABELS = {"edge0-staged": "edge0-staged (current-step routing)"}
+
+
+def parse_arm(arm: str) -> tuple[str, dict]:
+    """``edge0-hot@0.5`` -> ("edge0-hot", load options with cache_gib=0.5)."""
+    base, _, budget = arm.partition("@")
+    if base not in ARMS or (budget and base not in ("edge0-hot", "edge0-staged")):
+        raise ValueError(f"unknown arm {arm!r}: use {', '.join(ARMS)} (hot/staged may add @GiB)")
+    options = dict(ARM_OPTIONS.get(base, {}))
+    if budget:
+        try:
+            options["cache_gib"] = float(budget)
+        except ValueError:
+            raise ValueError(f"arm {arm!r}: budget {budget!r} is not a number of GiB") from None
+    return base, options
 CACHES = ("cold", "warm")
 DTYPES = ("float32", "bfloat16", "float16", "native")
 WARMUP_STEPS = 2
@@ -49,7 +71,7 @@ class BenchOptions:
     out: Path
     stock: Optional[Path] = None
     edge0: Optional[Path] = None
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = ("stock", "edge0-exact")
     caches: tuple[str, ...] = CACHES
     rounds: int = 3
     prompt_tokens: int = 32
@@ -59,12 +81,13 @@ class BenchOptions:
     timeout_s: float = 3600.0
 
     def __post_init__(self):
-        for name, given, allowed in (("arm", self.arms, ARMS), ("cache", self.caches, CACHES)):
-            unknown = [x for x in given if x not in allowed]
-            if unknown or not given:
-                raise ValueError(
-                    f"unknown or no {name}(s) {unknown or given}; choose from {', '.join(allowed)}"
-                )
+        if not self.arms:
+            raise ValueError(f"no arms; choose from {', '.join(ARMS)}")
+        for arm in self.arms:
+            parse_arm(arm)
+        unknown = [x for x in self.caches if x not in CACHES]
+        if unknown or not self.caches:
+            raise ValueError(f"unknown or no cache state(s) {unknown}; choose from {', '.join(CACHES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.rounds < 1 or self.prompt_tokens < 1 or self.decode_tokens < 1:
@@ -78,7 +101,7 @@ class BenchOptions:
                 raise ValueError(f"{path}: no config.json; is this a checkpoint directory?")
 
     def arm_path(self, arm: str) -> Optional[Path]:
-        return self.stock if arm == "stock" else self.edge0
+        return self.stock if parse_arm(arm)[0] == "stock" else self.edge0
 
 
 @dataclass(frozen=True)
@@ -108,7 +131,8 @@ class RunSpec:
 def _load(arm: str, path: Path, dtype: str):
     import mlx.core as mx
 
-    if arm == "stock":
+    base, options = parse_arm(arm)
+    if base == "stock":
         from mlx_lm.utils import load_model
 
         model, _ = load_model(path)
@@ -118,7 +142,7 @@ def _load(arm: str, path: Path, dtype: str):
         return model
     from mlx_edge0 import load_model
 
-    model = load_model(path, compute_dtype=dtype)
+    model = load_model(path, compute_dtype=dtype, **options)
     mx.eval(model.parameters())
     return model
 
@@ -221,7 +245,7 @@ def measure(spec: RunSpec) -> dict:
 def main(argv: Optional[list[str]] = None) -> None:
     """Child mode: measure one arm and print one JSON line."""
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--arm", choices=ARMS, required=True)
+    p.add_argument("--arm", required=True, help="an arm name, hot/staged optionally @GiB")
     p.add_argument("--path", type=Path, required=True)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=16)
@@ -419,24 +443,34 @@ def _fmt(stat: Optional[dict], scale: float = 1.0, digits: int = 2) -> str:
     return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
 
 
+def _hit_rate(c: dict) -> str:
+    hits, misses = c.get("hot_hits"), c.get("hot_misses")
+    if not hits or hits["median"] + misses["median"] == 0:
+        return "-"
+    return f"{hits['median'] / (hits['median'] + misses['median']):.2f}"
+
+
 def markdown_table(summary: dict) -> str:
     """Medians with (min–max) per arm and cache state."""
     gib, mb = 2**30, 1e6
     head = (
         "| arm | cache | ok/runs | load s | prefill tok/s | decode tok/s | s/token "
         "| active after load GiB | peak MLX GiB | peak RSS GiB | expert loads/token "
-        "| expert MB/token |"
+        "| expert MB/token | exposed wait ms/token | hot hit rate |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for e in summary.get("arms", {}).values():
         c = e.get("counters_per_token", {})
         lines.append(
-            f"| {e['arm']} | {e['cache']} | {e['ok']}/{e['runs']} "
+            f"| {ARM_LABELS.get(e['arm'].split('@')[0], e['arm'].split('@')[0])}"
+            f"{'@' + e['arm'].split('@')[1] + ' GiB' if '@' in e['arm'] else ''} "
+            f"| {e['cache']} | {e['ok']}/{e['runs']} "
             f"| {_fmt(e.get('load_s'))} | {_fmt(e.get('prefill_tok_s'))} "
             f"| {_fmt(e.get('decode_tok_s'), digits=3)} | {_fmt(e.get('decode_s_per_token'), digits=3)} "
             f"| {_fmt(e.get('active_memory_after_load'), gib)} | {_fmt(e.get('peak_memory'), gib)} "
             f"| {_fmt(e.get('peak_rss'), gib)} | {_fmt(c.get('expert_loads'), digits=1)} "
-            f"| {_fmt(c.get('bytes_read'), mb, 1)} |"
+            f"| {_fmt(c.get('bytes_read'), mb, 1)} | {_fmt(c.get('exposed_wait_ms'), digits=1)} "
+            f"| {_hit_rate(c)} |"
         )
     agree = summary.get("greedy_tokens_agree", {})
     if agree:

@@ -1,0 +1,131 @@
+"""The hot cache: recently/frequently used expert bundles of all MoE layers
+in one byte budget, computed from in place.
+
+All MoE layers share one geometry, so the cache is a single
+:class:`SlotBuffers` whose rows hold ``(layer, expert)`` bundles; a routed
+expert that is resident is gathered straight from its row (no copy), a miss is
+read from disk into a victim row first.
+
+Policy: :class:`FrequencyPolicy` (LFU with periodic halving, ties broken by
+recency) is the default because it measured a higher hit rate than LRU on the
+routing traces in BENCHMARKS.md: MoE routing has persistently popular experts
+per layer, and pure recency evicts them during a burst of rare ones. LRU stays
+available (``hot_policy="lru"``) for comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .slots import SlotBuffers
+from .store import ExpertStore
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class LRUPolicy:
+    """Evict the least recently used bundle."""
+
+    def __init__(self, capacity: int):
+        self.clock = 0
+        self.last: dict[Hashable, int] = {}
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        for k in keys:
+            self.clock += 1
+            self.last[k] = self.clock
+
+    def forget(self, key: Hashable) -> None:
+        self.last.pop(key, None)
+
+    def victims(self, candidates: Sequence[Hashable], n: int) -> list[Hashable]:
+        return sorted(candidates, key=lambda k: self.last.get(k, 0))[:n]
+
+
+class FrequencyPolicy(LRUPolicy):
+    """Evict the least frequently used bundle; counts halve every
+    ``8 x capacity`` touches so yesterday's favourites age out."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.count: dict[Hashable, float] = {}
+        self.period = max(8 * capacity, 64)
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        for k in keys:
+            self.clock += 1
+            self.last[k] = self.clock
+            self.count[k] = self.count.get(k, 0.0) + 1.0
+            if self.clock % self.period == 0:
+                self.count = {key: c / 2 for key, c in self.count.items()}
+
+    def victims(self, candidates: Sequence[Hashable], n: int) -> list[Hashable]:
+        return sorted(candidates, key=lambda k: (self.count.get(k, 0.0), self.last.get(k, 0)))[:n]
+
+
+POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
+
+
+def plan_fill(wanted: Sequence[Key], resident: dict[Key, int], free: list[int],
+              policy: LRUPolicy) -> tuple[dict[Key, int], list[Key]]:
+    """Rows for the misses of ``wanted``: free rows first, then policy victims
+    among resident keys that are not wanted now. Returns (miss -> row, evicted)."""
+    wanted_set = set(wanted)
+    misses = [k for k in wanted if k not in resident]
+    rows = free[: len(misses)]
+    need = len(misses) - len(rows)
+    evicted = policy.victims([k for k in resident if k not in wanted_set], need) if need else []
+    if len(evicted) < need:
+        raise ValueError("hot cache too small for the routed set")
+    rows = rows + [resident[k] for k in evicted]
+    return dict(zip(misses, rows)), evicted
+
+
+class HotCache:
+    """Expert bundles across layers within ``capacity`` rows (one byte budget)."""
+
+    def __init__(self, store: ExpertStore, capacity: int, scales_dtype: Optional[mx.Dtype],
+                 policy: str = "lfu"):
+        self.store = store
+        self.capacity = capacity
+        self.buffers = SlotBuffers(store.geometry, capacity, scales_dtype)
+        self.row_of: dict[Key, int] = {}
+        self.free = list(range(capacity))
+        self.policy = POLICIES[policy](capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffers.nbytes
+
+    def row(self, layer: int, expert: int) -> Optional[int]:
+        return self.row_of.get((layer, expert))
+
+    def fetch(self, layer: int, ids: Sequence[int]) -> Optional[np.ndarray]:
+        """Make experts ``ids`` of ``layer`` resident (reading misses now) and
+        return their rows, or None when the set does not fit the cache."""
+        if len(ids) > self.capacity:
+            return None
+        keys = [(layer, int(e)) for e in ids]
+        stats = self.store.telemetry.current
+        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy)
+        stats.hot_hits += len(keys) - len(placed)
+        stats.hot_misses += len(placed)
+        for k in evicted:
+            del self.row_of[k]
+            self.policy.forget(k)
+        used_free = len(placed) - len(evicted)
+        self.free = self.free[used_free:]
+        if placed:
+            misses = list(placed)
+            try:
+                self.store.submit(layer, [e for _, e in misses], [placed[k] for k in misses],
+                                  self.buffers).wait()
+            except BaseException:
+                self.free.extend(placed.values())  # rows hold garbage now: free, not resident
+                raise
+            self.row_of.update(placed)
+        self.policy.touch(keys)
+        return np.array([self.row_of[k] for k in keys], dtype=np.int64)

@@ -1,0 +1,98 @@
+"""Execution paths of a streaming MoE block: where the stacked experts come from.
+
+Every path ends in the same :func:`expert_glu` call; they differ only in the
+weights they hand it (and so in what they read and when):
+
+- ``ExactPath``: read the union of routed experts into fresh buffers.
+- ``HotPath``: gather from the hot cache's rows, reading misses into it.
+- ``StagedPath``: fill this layer's staged double buffer, gather via the
+  device-side slot table (current-step routing until the prerouter predicts).
+- ``WholeLayerPath``: prompt chunks; the whole layer, read ahead.
+
+A path is chosen once per forward from the token count and the options
+(:meth:`StreamingRuntime.path_for`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from .expert_math import expert_glu
+
+if TYPE_CHECKING:
+    from .runtime import StreamingRuntime
+
+
+def _routed_union(inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique experts and each index's position among them (host sync)."""
+    host = np.array(inds)  # evaluates the graph up to this layer's router
+    ids, inverse = np.unique(host, return_inverse=True)
+    return ids, inverse.reshape(host.shape)
+
+
+class ExactPath:
+    name = "exact"
+
+    def __init__(self, runtime: "StreamingRuntime"):
+        self.runtime = runtime
+
+    def begin(self, layer: int) -> None:
+        pass
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        rt = self.runtime
+        ids, local = _routed_union(inds)
+        weights = rt.store.read(layer, ids, rt.compute_dtype)
+        return expert_glu(x, mx.array(local.astype(np.uint32)), weights)
+
+
+class HotPath(ExactPath):
+    name = "hot"
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        rt = self.runtime
+        ids, local = _routed_union(inds)
+        rows = rt.hot.fetch(layer, ids)
+        if rows is None:  # the routed set is larger than the whole cache
+            return rt.exact.experts(layer, x, inds)
+        weights = rt.hot.buffers.weights().with_scales_dtype(rt.compute_dtype)
+        return expert_glu(x, mx.array(rows[local].astype(np.uint32)), weights)
+
+
+class StagedPath(ExactPath):
+    name = "staged"
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        rt = self.runtime
+        ids, _ = _routed_union(inds)
+        slots = rt.staged[layer]
+        if len(ids) > slots.slots:
+            rt.telemetry.current.staged_fallbacks += 1
+            return rt.decode_fallback.experts(layer, x, inds)
+        staged = slots.stage(ids, rt.hot)
+        try:
+            staged.reads.wait()
+        except BaseException:
+            slots.invalidate(staged.buffer)
+            raise
+        local = mx.take(staged.slot_table, inds)
+        weights = slots.weights(staged.buffer).with_scales_dtype(rt.compute_dtype)
+        return expert_glu(x, local, weights)
+
+
+class WholeLayerPath(ExactPath):
+    name = "whole-layer"
+
+    def begin(self, layer: int) -> None:
+        self.runtime.loader.start(layer)
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        rt = self.runtime
+        # Compute everything up to this router while this layer's read (started
+        # by the previous layer) lands; then start the next layer's read.
+        mx.eval(inds)
+        weights = rt.loader.take(layer).with_scales_dtype(rt.compute_dtype)
+        return expert_glu(x, inds, weights)

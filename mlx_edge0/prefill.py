@@ -1,0 +1,58 @@
+"""Whole-layer prefill: a prompt chunk reads each MoE layer whole, once.
+
+A chunk of many tokens routes to most experts of every layer, so reading the
+layer's file in a few large sequential ``preadv`` runs beats building it
+expert by expert. When layer l is taken, the read of the next MoE layer
+starts, so it overlaps layer l's compute; the main thread waits only at the
+layer that needs the data. Rows are in expert-id order, so the routed indices
+index the stack directly, exactly as the resident ``SwitchGLU`` does. Buffers
+are released after use; at most two layers are held.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from .expert_math import ExpertWeights
+from .slots import SlotBuffers
+from .store import ExpertStore, ReadBatch
+
+
+class WholeLayerLoader:
+    """Reads whole MoE layers ahead of the compute that needs them."""
+
+    def __init__(self, store: ExpertStore, moe_layers: Sequence[int], scales_dtype: Optional[mx.Dtype]):
+        self.store = store
+        self.scales_dtype = scales_dtype
+        self.next_layer = dict(zip(moe_layers, list(moe_layers[1:]) + [None]))
+        self.pending: dict[int, tuple[SlotBuffers, ReadBatch]] = {}
+
+    @property
+    def layer_bytes(self) -> int:
+        g = self.store.geometry
+        return g.num_experts * g.bundle_bytes
+
+    def start(self, layer: Optional[int]) -> None:
+        """Begin reading ``layer`` whole (no-op if already pending)."""
+        if layer is None or layer in self.pending:
+            return
+        n = self.store.geometry.num_experts
+        buffers = SlotBuffers(self.store.geometry, n, self.scales_dtype)
+        self.pending[layer] = (buffers, self.store.submit(layer, range(n), range(n), buffers))
+
+    def take(self, layer: int) -> ExpertWeights:
+        """The whole layer (waiting for its reads); starts the next layer's read."""
+        self.start(layer)
+        self.start(self.next_layer[layer])
+        buffers, reads = self.pending.pop(layer)
+        reads.wait()
+        self.store.telemetry.current.whole_layer_loads += 1
+        return buffers.weights()
+
+    def clear(self) -> None:
+        """Drop read-ahead layers (after their reads end): decode does not need them."""
+        for _, reads in self.pending.values():
+            reads.settle()
+        self.pending.clear()

@@ -1,0 +1,98 @@
+"""StreamingRuntime: what the streaming blocks of one model share.
+
+It owns the expert store, the hot cache, the staged slots, the whole-layer
+loader and the telemetry, sizes them from :class:`Options` once, and picks a
+path per forward. Peak MLX memory during decode is resident weights + hot
+cache + staged slots + KV: all fixed at load, independent of the checkpoint's
+size and of generation length (MLX's buffer cache is capped so freed
+transients do not pile up).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from .checkpoint import Edge0Section
+from .hot import HotCache
+from .options import Options
+from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
+from .prefill import WholeLayerLoader
+from .slots import SlotBuffers
+from .staged import StagedSlots
+from .store import ExpertStore, pool_scales_dtype
+from .telemetry import Telemetry
+
+GIB = 1 << 30
+
+
+class StreamingRuntime:
+    """Store, caches, paths and telemetry of one loaded model."""
+
+    def __init__(self, checkpoint_dir: Path, section: Edge0Section, options: Options):
+        self.options = options
+        self.section = section
+        self.compute_dtype = options.dtype()
+        self.telemetry = Telemetry()
+        self.store = ExpertStore(checkpoint_dir, section, options.io_threads, self.telemetry)
+        g = section.experts
+        pool_dtype = pool_scales_dtype(g, self.compute_dtype)
+        k = section.num_experts_per_tok
+        layers = section.moe_layers
+        expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
+        capacity = options.cache_bytes(expert_bytes) // SlotBuffers.row_nbytes(g, pool_dtype)
+        self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
+        slots = options.staged_slots or k
+        self.staged = {l: StagedSlots(self.store, l, slots, pool_dtype) for l in layers} if options.staged else {}
+        self.loader = WholeLayerLoader(self.store, layers, pool_dtype)
+        self.exact = ExactPath(self)
+        self.decode_fallback = HotPath(self) if self.hot else self.exact
+        self.decode = StagedPath(self) if options.staged else self.decode_fallback
+        self.whole_layer = WholeLayerPath(self)
+        self.first_layer = layers[0]
+        mx.set_cache_limit(self.loader.layer_bytes)
+
+    def path_for(self, layer: int, x: mx.array):
+        """The path for this forward (x: [B, L, D]); opens a telemetry step at
+        the first MoE layer and starts any read that can begin before routing."""
+        batch, length = x.shape[0], x.shape[1]
+        if layer == self.first_layer:
+            self.telemetry.begin_step(batch * length)
+            if length == 1:
+                self.loader.clear()
+        path = self._choose(batch, length)
+        path.begin(layer)
+        return path
+
+    def _choose(self, batch: int, length: int):
+        if length == 1:
+            return self.decode
+        mode = self.options.prefill
+        if mode == "exact":
+            return self.exact
+        if mode == "whole-layer":
+            return self.whole_layer
+        if mode == "auto" and batch * length * self.section.num_experts_per_tok >= self.section.experts.num_experts:
+            return self.whole_layer
+        return self.decode_fallback
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {
+            "hot": self.hot.nbytes if self.hot else 0,
+            "staged": sum(s.nbytes for s in self.staged.values()),
+        }
+
+    def stats(self) -> dict:
+        """Summed and last-step counters, resident bytes per tier, peak memory."""
+        return {
+            **self.telemetry.summed().as_dict(),
+            "last_step": self.telemetry.last_step.as_dict(),
+            "resident_bytes": self.resident_bytes(),
+            "peak_memory": mx.get_peak_memory(),
+            "decode_path": self.decode.name,
+        }
+
+    def close(self) -> None:
+        self.loader.clear()
+        self.store.close()

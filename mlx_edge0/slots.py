@@ -1,0 +1,74 @@
+"""Slot buffers: stacked expert tensors allocated once, rewritten row by row.
+
+A :class:`SlotBuffers` is nine MLX arrays ``[capacity, ...]`` (gate/up/down x
+weight/scales/biases), created and evaluated once on the compute thread. A row
+is a *slot*; the expert store fills rows in place with ``preadv`` and resident
+rows are copied with a memcpy, so no step re-stacks tensors or keeps a second
+copy of a bundle beside the stacked view. Scales and biases are held in the
+compute dtype, converted once when a row is filled, so every ``gather_qmm``
+sees one dtype.
+
+Invariant the callers keep: a row is only rewritten when no unevaluated graph
+still reads it (the staged double buffer and pinning in the hot cache).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import mlx.core as mx
+
+from .checkpoint import ExpertGeometry
+from .expert_math import ExpertWeights, Projection
+from .tensorfile import DTYPES, MX_TO_CODE
+
+
+class SlotBuffers:
+    """``capacity`` expert rows of one geometry; see the module docstring."""
+
+    def __init__(self, geometry: ExpertGeometry, capacity: int, scales_dtype: Optional[mx.Dtype] = None):
+        if capacity < 1:
+            raise ValueError(f"slot buffers need at least one row, got {capacity}")
+        self.geometry = geometry
+        self.capacity = capacity
+        disk_scales = DTYPES[geometry.scales_dtype][0]
+        self.scales_dtype = scales_dtype or disk_scales
+        self.scales_code = MX_TO_CODE[self.scales_dtype]
+        self.arrays: list[mx.array] = []
+        for _, part, dtype, shape in geometry.parts():
+            dt = DTYPES[dtype][0] if part == "weight" else self.scales_dtype
+            self.arrays.append(mx.zeros((capacity, *shape), dtype=dt))
+        mx.eval(self.arrays)
+        self._views = [memoryview(a).cast("B") for a in self.arrays]
+        self.row_bytes = [v.nbytes // capacity for v in self._views]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self._views)
+
+    @staticmethod
+    def row_nbytes(geometry: ExpertGeometry, scales_dtype: mx.Dtype) -> int:
+        """Bytes of one row (scales/biases in ``scales_dtype``): what a budget buys."""
+        size = scales_dtype.size
+        return sum(
+            math.prod(shape) * (DTYPES[dtype][1] if part == "weight" else size)
+            for _, part, dtype, shape in geometry.parts()
+        )
+
+    def row_views(self, row: int) -> list[memoryview]:
+        """Writable byte views of one row's nine parts (for I/O threads)."""
+        return [v[row * n : (row + 1) * n] for v, n in zip(self._views, self.row_bytes)]
+
+    def copy_row(self, src: "SlotBuffers", src_row: int, dst_row: int) -> None:
+        """memcpy one resident bundle into a row (same geometry and dtype)."""
+        for d, s in zip(self.row_views(dst_row), src.row_views(src_row)):
+            d[:] = s
+
+    def weights(self) -> ExpertWeights:
+        a = self.arrays
+        g = self.geometry
+        return ExpertWeights(
+            Projection(*a[0:3]), Projection(*a[3:6]), Projection(*a[6:9]),
+            group_size=g.group_size, bits=g.bits,
+        )

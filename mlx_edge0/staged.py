@@ -1,0 +1,120 @@
+"""Staged slots: per MoE layer, a fixed double buffer holding exactly the
+experts a decode step computes with.
+
+Each layer owns two :class:`SlotBuffers` of ``slots`` rows. A step fills the
+buffer the previous step did *not* compute from, so a fill (later: the
+prerouter's fill for step t+1, issued while step t computes) never writes a
+row an unevaluated graph still reads. Filling is incremental: a slot whose
+expert is unchanged is kept; a changed slot is copied from a resident bundle
+(the other buffer, the hot cache) or read from disk in place. The device-side
+slot table (expert id -> slot) turns routed indices into rows with a ``take``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .expert_math import ExpertWeights
+from .hot import HotCache
+from .slots import SlotBuffers
+from .store import ExpertStore, ReadBatch
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where each wanted expert will sit: kept in place, or rewritten."""
+
+    slot_of: dict[int, int]  # expert -> slot, for every wanted expert
+    kept: tuple[int, ...]  # experts already in their slot
+    rewrites: tuple[tuple[int, int], ...]  # (slot, expert) to fill
+
+
+def plan_staging(wanted: Sequence[int], contents: np.ndarray) -> StagePlan:
+    """Keep wanted experts where they are; put the others into slots whose
+    expert is not wanted (free slots first, then lowest index)."""
+    where = {int(e): s for s, e in enumerate(contents) if e >= 0}
+    wanted = [int(e) for e in wanted]
+    if len(wanted) > len(contents):
+        raise ValueError(f"{len(wanted)} experts do not fit {len(contents)} slots")
+    kept = tuple(e for e in wanted if e in where)
+    keep_slots = {where[e] for e in kept}
+    open_slots = sorted(
+        (s for s in range(len(contents)) if s not in keep_slots),
+        key=lambda s: (contents[s] >= 0, s),
+    )
+    new = [e for e in wanted if e not in where]
+    rewrites = tuple(zip(open_slots, new))
+    slot_of = {e: where[e] for e in kept}
+    slot_of.update({e: s for s, e in rewrites})
+    return StagePlan(slot_of, kept, rewrites)
+
+
+@dataclass(frozen=True)
+class StagedSet:
+    """One staged fill: which buffer, its slot table, the reads in flight."""
+
+    buffer: int
+    slot_table: mx.array  # [num_experts] int32, expert id -> slot
+    reads: ReadBatch
+
+
+class StagedSlots:
+    """The double buffer of one MoE layer (see the module docstring)."""
+
+    def __init__(self, store: ExpertStore, layer: int, slots: int, scales_dtype: Optional[mx.Dtype]):
+        self.store = store
+        self.layer = layer
+        self.slots = slots
+        self.buffers = [SlotBuffers(store.geometry, slots, scales_dtype) for _ in range(2)]
+        self.contents = [np.full(slots, -1, np.int64) for _ in range(2)]
+        self.active = 1  # the buffer the last step computed from
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def stage(self, ids: Sequence[int], hot: Optional[HotCache] = None) -> StagedSet:
+        """Fill the inactive buffer with experts ``ids`` and make it active.
+
+        Call on the compute thread once nothing unevaluated reads that buffer
+        (it was last used two steps ago). Returns at once; wait on ``reads``.
+        """
+        b = 1 - self.active
+        other = 1 - b
+        plan = plan_staging(ids, self.contents[b])
+        stats = self.store.telemetry.current
+        stats.staged_kept += len(plan.kept)
+        buf, contents = self.buffers[b], self.contents[b]
+        need = [(slot, e) for slot, e in plan.rewrites if not (self.contents[other] == e).any()]
+        hot_rows = hot.fetch(self.layer, [e for _, e in need]) if hot is not None and need else None
+        from_hot = dict(zip(need, hot_rows)) if hot_rows is not None else {}
+        to_read: list[tuple[int, int]] = []
+        for slot, e in plan.rewrites:
+            in_other = np.flatnonzero(self.contents[other] == e)
+            if in_other.size:
+                buf.copy_row(self.buffers[other], int(in_other[0]), slot)
+                stats.staged_copied += 1
+            elif (slot, e) in from_hot:
+                buf.copy_row(hot.buffers, int(from_hot[(slot, e)]), slot)
+                stats.staged_copied += 1
+            else:
+                to_read.append((slot, e))
+            contents[slot] = e
+        stats.staged_read += len(to_read)
+        reads = self.store.submit(self.layer, [e for _, e in to_read], [s for s, _ in to_read], buf)
+        table = np.zeros(self.store.geometry.num_experts, np.int32)
+        for e, s in plan.slot_of.items():
+            table[e] = s
+        self.active = b
+        return StagedSet(b, mx.array(table), reads)
+
+    def invalidate(self, buffer: int) -> None:
+        """Forget a buffer's contents (after a failed fill its rows are garbage)."""
+        self.contents[buffer][:] = -1
+
+    def weights(self, buffer: int) -> ExpertWeights:
+        return self.buffers[buffer].weights()

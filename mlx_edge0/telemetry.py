@@ -1,0 +1,79 @@
+"""Telemetry: what each forward read, hit, rewrote and waited for.
+
+One record type, :class:`Stats`, with ``__add__`` and ``as_dict`` so a step,
+the running total and a report can never drift apart. Counting is a few
+integer additions per MoE layer, cheap enough to leave on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class Stats:
+    """Counters of one forward (a *step*) or a sum of steps.
+
+    Attributes:
+        steps: model forwards (prefill chunks and decode steps).
+        tokens: tokens those forwards processed (batch x sequence).
+        expert_loads: expert bundles read from disk.
+        bytes_read: bytes read from disk (alignment padding included).
+        reads: ``preadv`` calls (coalesced runs).
+        exposed_wait_s: time the compute thread blocked waiting for reads.
+        hot_hits / hot_misses: routed experts found / not found in the hot cache.
+        staged_kept / staged_copied / staged_read: staged slots already holding
+            the expert, filled by copying a resident bundle, filled from disk;
+            ``slot_rewrites`` = copied + read.
+        staged_fallbacks: decode calls whose routed set did not fit the slots.
+        whole_layer_loads: layers read whole for a prompt chunk.
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    expert_loads: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    exposed_wait_s: float = 0.0
+    hot_hits: int = 0
+    hot_misses: int = 0
+    staged_kept: int = 0
+    staged_copied: int = 0
+    staged_read: int = 0
+    staged_fallbacks: int = 0
+    whole_layer_loads: int = 0
+
+    def __add__(self, other: "Stats") -> "Stats":
+        return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    @property
+    def slot_rewrites(self) -> int:
+        return self.staged_copied + self.staged_read
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["exposed_wait_ms"] = round(d.pop("exposed_wait_s") * 1e3, 3)
+        d["slot_rewrites"] = self.slot_rewrites
+        return d
+
+
+@dataclass
+class Telemetry:
+    """The running total and the last completed step."""
+
+    total: Stats = field(default_factory=Stats)
+    current: Stats = field(default_factory=Stats)
+    last_step: Stats = field(default_factory=Stats)
+
+    def begin_step(self, tokens: int) -> None:
+        """Close the running step (if any) and open a new one."""
+        if self.current.steps:
+            self.last_step = self.current
+            self.total = self.total + self.current
+        self.current = Stats(steps=1, tokens=tokens)
+
+    def summed(self) -> Stats:
+        return self.total + self.current
+
+    def reset(self) -> None:
+        self.total, self.current, self.last_step = Stats(), Stats(), Stats()

@@ -1,0 +1,243 @@
+"""Fast paths (hot, staged, whole-layer) against the exact path and stock mlx-lm.
+
+Identity, not tolerance: every path runs the same gather_qmm products on the
+same int4 rows, so for the same routing the outputs are bit-identical (the
+staged path sorts rows by slot instead of expert id, which reorders rows but
+not the arithmetic inside each row).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_edge0
+from mlx_edge0.expert_math import expert_glu
+from mlx_edge0.slots import SlotBuffers
+from mlx_edge0.hot import FrequencyPolicy, LRUPolicy, plan_fill
+from mlx_edge0.staged import plan_staging
+from mlx_edge0.store import ExpertReadError
+from mlx_edge0.streaming import StreamingMoE
+
+from conftest import FAMILIES, load_stock
+from test_equivalence import greedy
+
+TINY_BUNDLE_GIB = 13824 / 2**30  # one tiny-model expert bundle (bf16 scales)
+PATHS = {
+    "exact": dict(cache_gib=0, staged=False, prefill="exact"),
+    "hot": dict(cache_gib=40 * TINY_BUNDLE_GIB, staged=False, prefill="exact"),
+    "staged": dict(cache_gib=0, staged=True, prefill="exact"),
+    "staged+hot": dict(cache_gib=20 * TINY_BUNDLE_GIB, staged=True, prefill="exact"),
+    "whole-layer": dict(cache_gib=0, staged=False, prefill="whole-layer"),
+}
+
+
+def _blocks(model):
+    return [l.mlp for l in model.layers if isinstance(l.mlp, StreamingMoE)]
+
+
+# ------------------------------------------------------------------ pure plans
+
+
+def test_plan_staging_keeps_and_rewrites_minimum():
+    plan = plan_staging([3, 7, 9, 1], np.array([7, 5, -1, 3]))
+    assert set(plan.kept) == {3, 7}
+    assert dict((e, s) for s, e in plan.rewrites) == {9: 2, 1: 1}  # free slot first
+    assert plan.slot_of == {7: 0, 3: 3, 9: 2, 1: 1}
+    assert plan_staging([], np.array([1, 2])).rewrites == ()
+    with pytest.raises(ValueError):
+        plan_staging([1, 2, 3], np.array([-1, -1]))
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, FrequencyPolicy])
+def test_plan_fill_uses_free_rows_then_victims_never_wanted(policy):
+    p = policy(3)
+    resident = {(0, 1): 0, (0, 2): 1, (0, 3): 2}
+    p.touch([(0, 1), (0, 2), (0, 2), (0, 3)])
+    placed, evicted = plan_fill([(0, 3), (0, 9)], resident, [], p)
+    assert (0, 3) not in evicted and len(evicted) == 1
+    assert placed == {(0, 9): resident[evicted[0]]}
+    placed, evicted = plan_fill([(0, 9)], resident, [5], p)
+    assert placed == {(0, 9): 5} and evicted == []
+
+
+def test_frequency_policy_keeps_popular_experts_through_a_burst():
+    lru, lfu = LRUPolicy(2), FrequencyPolicy(2)
+    for p in (lru, lfu):
+        p.touch([("hot",)] * 10)
+        p.touch([("a",), ("b",)])
+    assert lru.victims([("hot",), ("a",), ("b",)], 1) == [("hot",)]
+    assert lfu.victims([("hot",), ("a",), ("b",)], 1) == [("a",)]
+
+
+# ------------------------------------------------------------ path identities
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paths_equal_exact_elementwise(converted, family):
+    path = converted(family).edge0
+    model = mlx_edge0.load_model(path, cache_gib=40 * TINY_BUNDLE_GIB, staged=True)
+    rt = model.edge0_runtime
+    mx.random.seed(0)
+    for block in _blocks(model):
+        for shape in [(1, 1), (3, 1), (2, 9)]:
+            x = mx.random.normal((*shape, model.edge0_section.experts.hidden_size))
+            inds, _ = block.route(block.router_logits(x))
+            want = rt.exact.experts(block.layer, x, inds)
+            for p in (rt.decode_fallback, rt.decode):
+                got = p.experts(block.layer, x, inds)
+                assert mx.array_equal(got, want).item(), (p.name, shape)
+            rt.whole_layer.begin(block.layer)
+            assert mx.array_equal(rt.whole_layer.experts(block.layer, x, inds), want).item()
+    assert rt.decode.name == "staged" and rt.decode_fallback.name == "hot"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_64_tokens_identical_on_every_path(converted, family):
+    c = converted(family)
+    _, tokenizer = mlx_edge0.load(c.edge0)
+    ids = tokenizer.encode("import collections\nclass Counter(dict):")
+    want = greedy(load_stock(c.source), ids)
+    for name, options in PATHS.items():
+        model = mlx_edge0.load_model(c.edge0, **options)
+        assert greedy(model, ids) == want, name
+        stats = model.stats()
+        if name == "hot":
+            assert stats["hot_hits"] > 0 and stats["hot_misses"] > 0
+        if name.startswith("staged"):
+            assert stats["staged_kept"] + stats["slot_rewrites"] > 0
+            assert stats["staged_fallbacks"] == 0
+        if name == "whole-layer":
+            assert stats["whole_layer_loads"] == len(_blocks(model))
+
+
+@pytest.mark.parametrize("name", ["hot", "staged+hot", "whole-layer"])
+def test_batches_and_multi_chunk_prompts_stay_exact(converted, name):
+    c = converted("qwen3_next")
+    stock = load_stock(c.source)
+    model = mlx_edge0.load_model(c.edge0, **PATHS[name])
+    x = mx.array([[5, 17, 99, 3, 250, 7], [400, 2, 2, 81, 9, 64], [1, 2, 3, 4, 5, 6]])
+    assert mx.allclose(stock(x), model(x), atol=1e-5, rtol=1e-5).item()
+    # B=3 decode after a batched prefill (as mlx_lm.server batches)
+    caches = make_prompt_cache(stock), make_prompt_cache(model)
+    ys = [m(x, cache=cch)[:, -1].argmax(-1) for m, cch in zip((stock, model), caches)]
+    for _ in range(8):
+        ys = [m(y[:, None], cache=cch)[:, -1].argmax(-1) for m, y, cch in zip((stock, model), ys, caches)]
+        assert mx.array_equal(ys[0], ys[1]).item()
+    # a 50-token prompt in 16-token chunks, then decode
+    prompt = mx.array(np.random.default_rng(1).integers(0, 500, 50))
+
+    def run(m):
+        return [int(t) for t, _ in generate_step(prompt, m, max_tokens=12, prefill_step_size=16,
+                                                 prompt_cache=make_prompt_cache(m))]
+
+    assert run(model) == run(stock)
+
+
+# ------------------------------------------------------------- double buffer
+
+
+def test_fill_of_the_next_buffer_never_changes_the_current_step(converted, monkeypatch):
+    model = mlx_edge0.load_model(converted("qwen3_moe").edge0, cache_gib=0, staged=True)
+    rt = model.edge0_runtime
+    block = _blocks(model)[0]
+    slots = rt.staged[block.layer]
+    x = mx.random.normal((1, 1, model.edge0_section.experts.hidden_size))
+    inds = mx.array([[[1, 4, 6, 9]]], mx.uint32)
+    want = rt.exact.experts(block.layer, x, inds)
+
+    current = slots.stage([1, 4, 6, 9])
+    current.reads.wait()
+    y = expert_glu(x, mx.take(current.slot_table, inds), slots.weights(current.buffer))
+
+    real = os.preadv
+    writing = threading.Event()
+
+    def slow_preadv(fd, views, offset):
+        writing.set()
+        time.sleep(0.05)  # still writing while the step computes
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    following = slots.stage([0, 2, 3, 5])  # the other buffer, filled in the background
+    assert following.buffer != current.buffer
+    writing.wait(5)
+    mx.eval(y)  # the current step computes while the fill is in flight
+    assert not following.reads.done()
+    following.reads.wait()
+    assert mx.array_equal(y, want).item()
+    assert mx.array_equal(expert_glu(x, mx.take(current.slot_table, inds), slots.weights(current.buffer)), want).item()
+
+
+# -------------------------------------------------------------- budget, memory
+
+
+def test_hot_cache_stays_within_budget(converted):
+    budget = 30 * TINY_BUNDLE_GIB
+    model = mlx_edge0.load_model(converted("bailing_moe").edge0, cache_gib=budget, staged=False)
+    hot = model.edge0_runtime.hot
+    assert hot.nbytes <= budget * 2**30 < hot.nbytes + hot.buffers.nbytes / hot.capacity
+    _, tokenizer = mlx_edge0.load(converted("bailing_moe").edge0)
+    greedy(model, tokenizer.encode("def f(x):"), 40)
+    assert len(hot.row_of) <= hot.capacity
+    assert model.stats()["resident_bytes"]["hot"] == hot.nbytes
+
+
+@pytest.mark.parametrize("name", ["hot", "staged"])
+def test_peak_memory_flat_over_generation_length(converted, name):
+    c = converted("qwen3_moe")
+    model = mlx_edge0.load_model(c.edge0, **PATHS[name])
+    # A rotating KV cache holds KV memory fixed, so what is measured is ours.
+    cache = make_prompt_cache(model, max_kv_size=16)
+    y = model(mx.array([[3, 1, 4, 1, 5]]), cache=cache)[:, -1].argmax(-1)
+    peaks = {}
+    mx.reset_peak_memory()
+    for step in range(1, 301):
+        y = model(y[:, None], cache=cache)[:, -1].argmax(-1)
+        mx.eval(y)
+        if step in (30, 300):
+            peaks[step] = mx.get_peak_memory()
+    assert peaks[300] <= 1.05 * peaks[30]
+
+
+# ------------------------------------------------------------------ I/O errors
+
+
+@pytest.mark.parametrize("name", ["hot", "staged", "whole-layer"])
+def test_io_error_surfaces_in_the_caller(converted, monkeypatch, name):
+    model = mlx_edge0.load_model(converted("bailing_moe_v3").edge0, **PATHS[name])
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", broken)
+    t0 = time.monotonic()
+    with pytest.raises(ExpertReadError, match=r"layer_\d{3}\.safetensors: read of .* Input/output error"):
+        mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6]])))
+    assert time.monotonic() - t0 < 10
+    monkeypatch.undo()
+    assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3]])))).item()  # recovers
+
+
+def test_stats_telemetry(converted):
+    c = converted("qwen3_moe")
+    model, tokenizer = mlx_edge0.load(c.edge0, cache_gib=40 * TINY_BUNDLE_GIB, staged=True)
+    greedy(model, tokenizer.encode("x = 1"), 10)
+    s = model.stats()
+    assert s["steps"] >= 10 and s["tokens"] >= 10
+    assert s["expert_loads"] > 0 and s["bytes_read"] >= s["expert_loads"] * 13824
+    assert s["exposed_wait_ms"] >= 0 and s["decode_path"] == "staged"
+    assert s["last_step"]["steps"] == 1 and s["last_step"]["tokens"] == 1
+    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.float32)  # scales widened to fp32
+    assert row == 12288 + 3072
+    assert s["resident_bytes"]["staged"] == 3 * 2 * 4 * row  # layers x buffers x K slots
+    assert s["peak_memory"] > 0
+    model.reset_stats()
+    assert model.stats()["expert_loads"] == 0
