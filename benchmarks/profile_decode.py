@@ -2,7 +2,7 @@
 edge0 checkpoint (the per-layer host sync shows up as ``numpy.array``: it is
 the MLX compute of everything up to that layer's router).
 
-    python benchmarks/profile_decode.py CKPT [--tokens 8]
+    python benchmarks/profile_decode.py CKPT [--tokens 8] [--cache-gib G] [--staged]
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ def main() -> None:
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--cache-gib", type=float, default=0.0)
+    p.add_argument("--staged", action="store_true")
     a = p.parse_args()
-    model = mlx_edge0.load_model(a.checkpoint)
+    model = mlx_edge0.load_model(a.checkpoint, cache_gib=a.cache_gib, staged=a.staged)
     config = json.loads((a.checkpoint / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]
     cache = make_prompt_cache(model)
@@ -51,10 +53,10 @@ def main() -> None:
     profile.disable()
     per_token = (time.perf_counter() - start) / a.tokens
     out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(8)
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(14)
     print(f"s/token {per_token:.3f}")
-    print("store counters per token:",
-          {k: round(v / a.tokens, 2) for k, v in model.stats().items()})
+    print("counters per token:", {k: round(v / a.tokens, 2) for k, v in model.stats().items()
+                                   if isinstance(v, (int, float)) and k != "peak_memory"})
     print(out.getvalue())
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import click
 
 from .bench.commands import bench
-from .options import COMPUTE_DTYPES, HOT_POLICIES, PREFILL_PATHS, Options
+from .options import COMPUTE_DTYPES, HOT_POLICIES, PAGE_CACHE_POLICIES, PREFILL_PATHS, Options
 
 
 def _fail(message: str) -> None:
@@ -74,6 +74,8 @@ def option_flags(f):
                      help="Slots per staged buffer (0 = K)."),
         click.option("--prefill", type=click.Choice(PREFILL_PATHS), default=Options.prefill,
                      show_default=True, help="Prompt-chunk path."),
+        click.option("--page-cache", type=click.Choice(PAGE_CACHE_POLICIES), default=Options.page_cache,
+                     show_default=True, help="What expert reads leave in the OS page cache."),
     ]
     for flag in reversed(flags):
         f = flag(f)

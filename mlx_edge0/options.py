@@ -17,6 +17,7 @@ RUNTIME_KEY = "edge0_runtime"
 COMPUTE_DTYPES = ("auto", "native", "float32", "bfloat16", "float16")
 PREFILL_PATHS = ("auto", "whole-layer", "exact")
 HOT_POLICIES = ("lfu", "lru")
+PAGE_CACHE_POLICIES = ("keep", "drop-prefill")
 GIB = 1 << 30
 # "auto" hot cache: this share of available memory, at most this share of the experts.
 AUTO_CACHE_MEMORY_SHARE = 0.10
@@ -54,6 +55,11 @@ class Options:
         prefill: prompt-chunk path: "auto" (whole layer when the chunk routes
             to about every expert, else the decode fallback), "whole-layer",
             or "exact".
+        page_cache: "keep" leaves every read in the OS page cache (the OS
+            reclaims it under pressure; decode misses after a prompt then hit
+            it); "drop-prefill" evicts whole-layer prefill reads once they are
+            in our buffers, so a prompt does not pull the whole checkpoint
+            into the page cache (decode reads stay cached).
     """
 
     compute_dtype: str = "auto"
@@ -63,6 +69,7 @@ class Options:
     staged: bool = False
     staged_slots: int = 0
     prefill: str = "auto"
+    page_cache: str = "keep"
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -80,6 +87,10 @@ class Options:
             raise ValueError(f"hot_policy must be one of {', '.join(HOT_POLICIES)}, got {self.hot_policy!r}")
         if not isinstance(self.staged_slots, int) or self.staged_slots < 0:
             raise ValueError(f"staged_slots must be an integer >= 0, got {self.staged_slots!r}")
+        if self.page_cache not in PAGE_CACHE_POLICIES:
+            raise ValueError(
+                f"page_cache must be one of {', '.join(PAGE_CACHE_POLICIES)}, got {self.page_cache!r}"
+            )
         if self.prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
 

@@ -26,13 +26,6 @@ if TYPE_CHECKING:
     from .runtime import StreamingRuntime
 
 
-def _routed_union(inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique experts and each index's position among them (host sync)."""
-    host = np.array(inds)  # evaluates the graph up to this layer's router
-    ids, inverse = np.unique(host, return_inverse=True)
-    return ids, inverse.reshape(host.shape)
-
-
 class ExactPath:
     name = "exact"
 
@@ -42,9 +35,19 @@ class ExactPath:
     def begin(self, layer: int) -> None:
         pass
 
+    def routed_union(self, layer: int, inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted unique experts and each index's position among them (host
+        sync); appended to the runtime's routing trace when one is recording."""
+        host = np.array(inds)  # evaluates the graph up to this layer's router
+        ids, inverse = np.unique(host, return_inverse=True)
+        trace = self.runtime.routing_trace
+        if trace is not None:
+            trace.append((layer, ids.tolist()))
+        return ids, inverse.reshape(host.shape)
+
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         rt = self.runtime
-        ids, local = _routed_union(inds)
+        ids, local = self.routed_union(layer, inds)
         weights = rt.store.read(layer, ids, rt.compute_dtype)
         return expert_glu(x, mx.array(local.astype(np.uint32)), weights)
 
@@ -54,7 +57,7 @@ class HotPath(ExactPath):
 
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         rt = self.runtime
-        ids, local = _routed_union(inds)
+        ids, local = self.routed_union(layer, inds)
         rows = rt.hot.fetch(layer, ids)
         if rows is None:  # the routed set is larger than the whole cache
             return rt.exact.experts(layer, x, inds)
@@ -67,7 +70,7 @@ class StagedPath(ExactPath):
 
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         rt = self.runtime
-        ids, _ = _routed_union(inds)
+        ids, _ = self.routed_union(layer, inds)
         slots = rt.staged[layer]
         if len(ids) > slots.slots:
             rt.telemetry.current.staged_fallbacks += 1

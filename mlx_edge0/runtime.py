@@ -11,6 +11,7 @@ transients do not pile up).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 
@@ -35,6 +36,9 @@ class StreamingRuntime:
         self.section = section
         self.compute_dtype = options.dtype()
         self.telemetry = Telemetry()
+        # Set to a list to record (layer, routed expert ids) of every synced
+        # MoE call, e.g. to compare cache policies on a real trace.
+        self.routing_trace: Optional[list[tuple[int, list[int]]]] = None
         self.store = ExpertStore(checkpoint_dir, section, options.io_threads, self.telemetry)
         g = section.experts
         pool_dtype = pool_scales_dtype(g, self.compute_dtype)
@@ -45,7 +49,8 @@ class StreamingRuntime:
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         slots = options.staged_slots or k
         self.staged = {l: StagedSlots(self.store, l, slots, pool_dtype) for l in layers} if options.staged else {}
-        self.loader = WholeLayerLoader(self.store, layers, pool_dtype)
+        self.loader = WholeLayerLoader(self.store, layers, pool_dtype,
+                                       drop_pages=options.page_cache == "drop-prefill")
         self.exact = ExactPath(self)
         self.decode_fallback = HotPath(self) if self.hot else self.exact
         self.decode = StagedPath(self) if options.staged else self.decode_fallback

@@ -168,11 +168,15 @@ def convertible(src_code: str, dst_code: str) -> bool:
 
 
 def _read_run(fd: int, views: list[memoryview], offset: int, path: Path,
-              conversions: list[tuple[memoryview, memoryview]], src_code: str, dst_code: str) -> int:
-    """I/O thread: one coalesced preadv, then widen scales. No MLX calls here."""
+              conversions: list[tuple[memoryview, memoryview]], src_code: str, dst_code: str,
+              drop_pages: bool) -> int:
+    """I/O thread: one coalesced preadv, widen scales, optionally drop the
+    range from the page cache. No MLX calls here."""
     n = _preadv_exact(fd, views, offset, path)
     for src, dst in conversions:
         _convert(src, dst, src_code, dst_code)
+    if drop_pages:
+        os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
     return n
 
 
@@ -245,12 +249,16 @@ class ExpertStore:
     def bundle_bytes(self) -> int:
         return self.geometry.bundle_bytes
 
-    def submit(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers) -> ReadBatch:
+    def submit(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers,
+               drop_pages: bool = False) -> ReadBatch:
         """Start reading expert ``ids[i]`` of ``layer`` into row ``rows[i]`` of ``target``.
 
         Experts adjacent on disk are coalesced into one preadv whatever their
-        rows. Call on the compute thread; returns at once.
+        rows. ``drop_pages`` evicts the bytes from the OS page cache once they
+        are in ``target`` (for one-shot streaming reads). Call on the compute
+        thread; returns at once.
         """
+        drop_pages = drop_pages and hasattr(os, "posix_fadvise")
         lf = self.layers[layer]
         pairs = sorted(zip((int(e) for e in ids), rows))
         if any(not 0 <= e < self.geometry.num_experts for e, _ in pairs):
@@ -275,7 +283,8 @@ class ExpertStore:
                 if pad.nbytes and j < len(run.ids) - 1:
                     views.append(pad)
             futures.append(self._pool.submit(
-                _read_run, lf.fd, views, run.offset, lf.path, conversions, src_code, dst_code
+                _read_run, lf.fd, views, run.offset, lf.path, conversions, src_code, dst_code,
+                drop_pages,
             ))
         return ReadBatch(futures, len(pairs), self.telemetry)
 

@@ -1,0 +1,51 @@
+"""Options are validated once, with messages that say what is allowed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_edge0
+from mlx_edge0.options import GIB, Options
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("compute_dtype", "int8", "compute_dtype must be one of"),
+        ("io_threads", 0, "io_threads must be an integer in 1..64"),
+        ("cache_gib", -1, "cache_gib must be 'auto' or a number"),
+        ("cache_gib", "big", "cache_gib must be 'auto' or a number"),
+        ("hot_policy", "fifo", "hot_policy must be one of lfu, lru"),
+        ("staged_slots", -2, "staged_slots must be an integer >= 0"),
+        ("prefill", "chunked", "prefill must be one of auto, whole-layer, exact"),
+        ("page_cache", "drop-all", "page_cache must be one of keep, drop-prefill"),
+    ],
+)
+def test_invalid_options_are_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Options(**{field: value})
+
+
+def test_unknown_option_names_are_refused(converted):
+    with pytest.raises(TypeError):
+        mlx_edge0.load_model(converted("qwen3_moe").edge0, cache_size=3)
+    with pytest.raises(ValueError, match="unknown edge0 option"):
+        Options.from_dict({"cache_size": 3})
+
+
+def test_cache_budget_resolution():
+    assert Options(cache_gib=0.5).cache_bytes(10 * GIB) == GIB // 2
+    assert Options(cache_gib=0).cache_bytes(10 * GIB) == 0
+    auto = Options().cache_bytes(4 * GIB)
+    assert 0 < auto <= GIB  # at most a quarter of the experts
+    assert Options(compute_dtype="auto").dtype() == (mx.float32 if mx.default_device() == mx.cpu else None)
+    assert Options(compute_dtype="native").dtype() is None
+
+
+def test_page_cache_policies_give_the_same_numbers(converted):
+    path = converted("qwen3_moe").edge0
+    x = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+    keep = mlx_edge0.load_model(path, prefill="whole-layer", page_cache="keep")(x)
+    drop = mlx_edge0.load_model(path, prefill="whole-layer", page_cache="drop-prefill")(x)
+    assert mx.array_equal(keep, drop).item()
