@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .tensorfile import nbytes_of
 
@@ -127,9 +127,12 @@ class Edge0Section:
     num_experts_per_tok: int
     format_version: int = FORMAT_VERSION
     alignment: int = ALIGNMENT
+    prerouter: Optional[dict] = None  # validated by mlx_edge0.prerouter.load_heads
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.prerouter is None:
+            del d["prerouter"]
         d["moe_layers"] = list(self.moe_layers)
         d["expert_files"] = [expert_file(layer) for layer in self.moe_layers]
         return d
@@ -171,6 +174,7 @@ class Edge0Section:
             num_experts_per_tok=k,
             format_version=version,
             alignment=alignment,
+            prerouter=section.get("prerouter"),
         )
 
 

@@ -164,3 +164,30 @@ def info(checkpoint: Path, as_json: bool) -> None:
 
 
 main.add_command(bench)
+
+
+@main.group()
+def heads() -> None:
+    """Prerouter heads of a checkpoint."""
+
+
+@heads.command("init")
+@click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--seed", default=0, show_default=True, help="Seed for fc1's initialisation.")
+def heads_init(checkpoint: Path, seed: int) -> None:
+    """Write warm-started prerouter heads (each = the next layer's router applied
+    to the current hidden) into CHECKPOINT."""
+    from . import load_model
+    from .checkpoint import CheckpointError
+    from .prerouter import PrerouterSpec, init_heads, save_heads
+    from .tensorfile import TensorFileError
+
+    try:
+        model = load_model(checkpoint, compute_dtype="float32", cache_gib=0)
+    except (CheckpointError, TensorFileError, ValueError) as e:
+        _fail(str(e))
+    section = model.edge0_section
+    spec = PrerouterSpec.default(section.moe_layers, section.num_experts_per_tok)
+    path = save_heads(checkpoint, init_heads(model, spec, seed=seed), spec)
+    click.echo(f"wrote {path}: {len(spec.owners)} heads, owners {list(spec.owners)} -> "
+               f"consumers {list(spec.consumers)}, K={spec.k}")

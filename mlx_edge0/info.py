@@ -20,6 +20,7 @@ from .checkpoint import (
     human_bytes,
     read_config,
 )
+from .prerouter import load_heads
 from .store import LayerFile
 from .tensorfile import read_header
 
@@ -38,6 +39,8 @@ def describe(path: Path | str) -> dict[str, Any]:
         lf.close()
         layers.append({"layer": layer, "file": expert_file(layer),
                        "bytes": (path / expert_file(layer)).stat().st_size})
+    if section.prerouter:
+        load_heads(path, section)  # validates file, ownership, shapes, K, source hash
     shim = path / config.get("model_file", SHIM_FILE)
     shim_text = shim.read_text() if shim.is_file() else None
     g = section.experts
@@ -68,7 +71,16 @@ def describe(path: Path | str) -> dict[str, Any]:
             "ours": shim_text == SHIM_SOURCE,
         },
         "optional_files": {name: (path / name).exists() for name in OPTIONAL_FILES},
+        "prerouter": section.prerouter,
     }
+
+
+def _heads_line(prerouter) -> str:
+    if not prerouter:
+        return "no"
+    return (f"{len(prerouter['owners'])} (owners {prerouter['owners'][0]}-{prerouter['owners'][-1]}, "
+            f"consumers {prerouter['consumers'][0]}-{prerouter['consumers'][-1]}, K={prerouter['k']}, "
+            f"not yet used at decode)")
 
 
 def format_description(d: dict[str, Any]) -> str:
@@ -84,7 +96,7 @@ def format_description(d: dict[str, Any]) -> str:
         f"  expert files    {human_bytes(d['expert_bytes'])} in {len(d['expert_files'])} files (headers valid)",
         f"  resident        {human_bytes(d['resident_bytes'])} ({d['resident_tensors']} tensors)",
         f"  quantization    {d['quantization']}",
-        f"  prerouter heads {'yes' if d['optional_files']['prerouter.safetensors'] else 'no'}",
+        f"  prerouter heads {_heads_line(d['prerouter'])}",
         f"  LoRA adapters   {'yes' if d['optional_files']['adapters.safetensors'] else 'no'}",
     ]
     if d["shim"]["ours"]:

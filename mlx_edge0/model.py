@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
@@ -45,7 +45,6 @@ class Edge0Model:
         super().__init__(args.stock_args)
         self.edge0_options = args.options
         self.edge0_section = args.section
-        self.compute_dtype: Optional[mx.Dtype] = args.options.dtype()
         self.edge0_runtime = StreamingRuntime(args.checkpoint_dir, args.section, args.options)
         layers = self.layers
         stock_moe = [i for i, layer in enumerate(layers) if isinstance(layer.mlp, self.stock_block)]
@@ -66,7 +65,7 @@ class Edge0Model:
     def sanitize(self, weights: dict) -> dict:
         """Stock sanitize, then the compute-dtype cast (fp32 on CPU by default)."""
         weights = super().sanitize(weights)
-        dtype = self.compute_dtype
+        dtype = self.edge0_runtime.compute_dtype
         if dtype is None:
             return weights
         # float32 loses nothing, so everything floating is cast (as
@@ -86,5 +85,6 @@ class Edge0Model:
         return self.edge0_runtime.stats()
 
     def reset_stats(self) -> None:
+        """Zero the telemetry and MLX's peak-memory counter (e.g. after warm-up)."""
         self.edge0_runtime.telemetry.reset()
         mx.reset_peak_memory()

@@ -20,6 +20,7 @@ from .hot import HotCache
 from .options import Options
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
+from .prerouter import load_heads
 from .slots import SlotBuffers
 from .staged import StagedSlots
 from .store import ExpertStore, pool_scales_dtype
@@ -56,6 +57,9 @@ class StreamingRuntime:
         self.decode = StagedPath(self) if options.staged else self.decode_fallback
         self.whole_layer = WholeLayerPath(self)
         self.first_layer = layers[0]
+        # Prerouter heads are validated at load; decode does not consume them
+        # yet (prediction-as-routing is the next step).
+        self.heads = load_heads(checkpoint_dir, section)[1] if section.prerouter else {}
         mx.set_cache_limit(self.loader.layer_bytes)
 
     def path_for(self, layer: int, x: mx.array):

@@ -24,6 +24,16 @@ if TYPE_CHECKING:
     from .runtime import StreamingRuntime
 
 
+def dense_weight(linear: nn.Module) -> mx.array:
+    """float32 weight of a Linear or (8-bit) QuantizedLinear router."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.dequantize(
+            linear.weight, linear.scales, linear.biases,
+            group_size=linear.group_size, bits=linear.bits,
+        ).astype(mx.float32)
+    return linear.weight.astype(mx.float32)
+
+
 class StreamingMoE(nn.Module):
     """Routed experts served by the model's :class:`StreamingRuntime`.
 
@@ -38,6 +48,11 @@ class StreamingMoE(nn.Module):
         self.top_k = num_experts_per_tok
 
     def router_logits(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def router_weight(self) -> mx.array:
+        """The router as a dense float32 ``[num_experts, D]`` matrix (the
+        prerouter's warm start)."""
         raise NotImplementedError
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:

@@ -13,7 +13,7 @@ from mlx_lm.models import bailing_moe, bailing_moe_v3
 
 from ..model import Edge0Model
 from ..routing import group_select, sigmoid_group
-from ..streaming import StreamingMoE
+from ..streaming import StreamingMoE, dense_weight
 
 
 class BailingMoeStreamingBlock(StreamingMoE):
@@ -28,6 +28,9 @@ class BailingMoeStreamingBlock(StreamingMoE):
 
     def router_logits(self, x: mx.array) -> mx.array:
         return self.gate.gate_proj(x)
+
+    def router_weight(self) -> mx.array:
+        return dense_weight(self.gate.gate_proj)
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         g = self.gate
@@ -52,6 +55,9 @@ class BailingMoeV3StreamingBlock(StreamingMoE):
 
     def router_logits(self, x: mx.array) -> mx.array:
         return x.astype(mx.float32) @ self.gate.weight.astype(mx.float32).T
+
+    def router_weight(self) -> mx.array:
+        return self.gate.weight.astype(mx.float32)
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         g = self.gate

@@ -7,7 +7,7 @@ from mlx_lm.models import qwen3_moe
 
 from ..model import Edge0Model
 from ..routing import softmax_topk
-from ..streaming import StreamingMoE
+from ..streaming import StreamingMoE, dense_weight
 
 
 class Qwen3MoeStreamingBlock(StreamingMoE):
@@ -22,6 +22,9 @@ class Qwen3MoeStreamingBlock(StreamingMoE):
 
     def router_logits(self, x: mx.array) -> mx.array:
         return self.gate(x)
+
+    def router_weight(self) -> mx.array:
+        return dense_weight(self.gate)
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         return softmax_topk(logits, self.top_k, self.norm_topk_prob)

@@ -12,7 +12,7 @@ from mlx_lm.models import qwen3_5_moe, qwen3_next
 
 from ..model import Edge0Model
 from ..routing import softmax_topk
-from ..streaming import StreamingMoE
+from ..streaming import StreamingMoE, dense_weight
 
 
 class Qwen3NextStreamingBlock(StreamingMoE):
@@ -29,6 +29,9 @@ class Qwen3NextStreamingBlock(StreamingMoE):
 
     def router_logits(self, x: mx.array) -> mx.array:
         return self.gate(x)
+
+    def router_weight(self) -> mx.array:
+        return dense_weight(self.gate)
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         return softmax_topk(logits, self.top_k, self.norm_topk_prob)

@@ -1,0 +1,107 @@
+"""Prerouter heads: warm start, files, validation (decode does not consume them yet)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+import mlx_edge0
+from mlx_edge0.checkpoint import CheckpointError
+from mlx_edge0.cli import main
+from mlx_edge0.prerouter import PREROUTER_FILE, PrerouterSpec, init_heads, topk_onehot
+from mlx_edge0.streaming import StreamingMoE
+from mlx_edge0.tensorfile import read_header
+
+from conftest import FAMILIES
+
+
+@pytest.fixture
+def with_heads(converted, tmp_path):
+    def make(family: str):
+        path = tmp_path / family
+        shutil.copytree(converted(family).edge0, path)
+        result = CliRunner().invoke(main, ["heads", "init", str(path)])
+        assert result.exit_code == 0, result.output
+        return path
+    return make
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_warm_started_head_is_the_next_router_on_the_current_hidden(converted, family):
+    model = mlx_edge0.load_model(converted(family).edge0)
+    heads = init_heads(model)
+    blocks = {i: l.mlp for i, l in enumerate(model.layers) if isinstance(l.mlp, StreamingMoE)}
+    layers = sorted(blocks)
+    assert sorted(heads) == layers[:-1]
+    g = model.edge0_section.experts
+    mx.random.seed(0)
+    h = mx.random.normal((2, 3, g.hidden_size))
+    inds = mx.random.randint(0, g.num_experts, (2, 3, 4))
+    onehot = topk_onehot(inds, g.num_experts)
+    assert onehot.shape == (2, 3, g.num_experts) and onehot.sum(-1).max().item() <= 4
+    for owner, head in heads.items():
+        consumer = blocks[layers[layers.index(owner) + 1]]
+        assert mx.array_equal(head.residual.weight, consumer.router_weight()).item()  # bit-exact
+        got = head(h, onehot, topk_onehot(inds[..., ::-1] % 3, g.num_experts))
+        assert mx.array_equal(got, h @ consumer.router_weight().T).item()
+        # and that is the next router's own logits (exactly, up to its 8-bit matmul kernel)
+        assert mx.allclose(got, consumer.router_logits(h).astype(mx.float32), atol=1e-4, rtol=1e-4).item()
+
+
+def test_heads_init_writes_files_that_load_and_show(with_heads):
+    path = with_heads("bailing_moe_v3")
+    config = json.loads((path / "config.json").read_text())
+    assert config["edge0"]["prerouter"] == {
+        "file": PREROUTER_FILE, "owners": [1, 2], "consumers": [2, 3], "k": 4, "hidden": 512,
+    }
+    model = mlx_edge0.load_model(path)
+    assert sorted(model.edge0_runtime.heads) == [1, 2]
+    assert mx.all(mx.isfinite(model(mx.array([[1, 2, 3]])))).item()
+    out = CliRunner().invoke(main, ["info", str(path)]).output
+    assert "prerouter heads 2 (owners 1-2, consumers 2-3, K=4" in out
+
+
+def _edit_config(path, mutate):
+    config = json.loads((path / "config.json").read_text())
+    mutate(config["edge0"]["prerouter"])
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_mismatched_or_corrupt_heads_fail_clearly(with_heads):
+    path = with_heads("qwen3_moe")
+    _edit_config(path, lambda p: p.update(k=2))
+    with pytest.raises(CheckpointError, match=r"prerouter\.safetensors: metadata k=4 does not match"):
+        mlx_edge0.load_model(path)
+    _edit_config(path, lambda p: p.update(k=4, owners=[1, 3], consumers=[2, 1]))
+    with pytest.raises(CheckpointError, match="does not link consecutive MoE layers"):
+        mlx_edge0.load_model(path)
+    _edit_config(path, lambda p: p.update(owners=[1, 2], consumers=[2, 3]))
+    assert mlx_edge0.load_model(path)  # restored
+
+    router = path / "model.safetensors"
+    original = router.read_bytes()
+    entry = read_header(router).entries["model.layers.2.mlp.gate.weight"]
+    changed = bytearray(original)
+    changed[entry.start] ^= 0xFF  # another model: its router differs
+    router.write_bytes(bytes(changed))
+    with pytest.raises(CheckpointError, match="made for another model"):
+        mlx_edge0.load_model(path)
+    router.write_bytes(original)
+    mlx_edge0.load_model(path)
+
+    heads_file = path / PREROUTER_FILE
+    heads_file.write_bytes(heads_file.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"prerouter\.safetensors: .*truncated"):
+        mlx_edge0.load_model(path)
+    heads_file.unlink()
+    with pytest.raises(CheckpointError, match=r"prerouter\.safetensors: file not found"):
+        mlx_edge0.load_model(path)
+
+
+def test_default_spec_links_consecutive_moe_layers():
+    spec = PrerouterSpec.default((1, 2, 3, 5), 8)
+    assert spec.owners == (1, 2, 3) and spec.consumers == (2, 3, 5) and spec.k == 8
