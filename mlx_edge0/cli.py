@@ -74,6 +74,8 @@ def option_flags(f):
                      help="Slots per staged buffer (0 = K)."),
         click.option("--prefill", type=click.Choice(PREFILL_PATHS), default=Options.prefill,
                      show_default=True, help="Prompt-chunk path."),
+        click.option("--prerouter/--no-prerouter", default=Options.prerouter, show_default=True,
+                     help="Route with the prerouter heads' predictions (when the checkpoint has heads)."),
         click.option("--page-cache", type=click.Choice(PAGE_CACHE_POLICIES), default=Options.page_cache,
                      show_default=True, help="What expert reads leave in the OS page cache."),
     ]

@@ -61,6 +61,7 @@ class Edge0Model:
                 runtime=self.edge0_runtime,
                 num_experts_per_tok=args.section.num_experts_per_tok,
             )
+        self.edge0_runtime.attach({i: layers[i].mlp for i in stock_moe})
 
     def sanitize(self, weights: dict) -> dict:
         """Stock sanitize, then the compute-dtype cast (fp32 on CPU by default)."""

@@ -60,6 +60,9 @@ class Options:
             it); "drop-prefill" evicts whole-layer prefill reads once they are
             in our buffers, so a prompt does not pull the whole checkpoint
             into the page cache (decode reads stay cached).
+        prerouter: route prerouted layers with the heads' predictions when
+            the checkpoint has heads (single-sequence decode); False = the
+            on-demand paths (the A/B baseline).
     """
 
     compute_dtype: str = "auto"
@@ -70,6 +73,7 @@ class Options:
     staged_slots: int = 0
     prefill: str = "auto"
     page_cache: str = "keep"
+    prerouter: bool = True
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:

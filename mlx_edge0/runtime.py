@@ -11,7 +11,7 @@ transients do not pile up).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
@@ -21,10 +21,14 @@ from .options import Options
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
 from .prerouter import load_heads
+from .prerouting import Prerouting
 from .slots import SlotBuffers
 from .staged import StagedSlots
 from .store import ExpertStore, pool_scales_dtype
 from .telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from .streaming import StreamingMoE
 
 GIB = 1 << 30
 
@@ -48,8 +52,11 @@ class StreamingRuntime:
         expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
         capacity = options.cache_bytes(expert_bytes) // SlotBuffers.row_nbytes(g, pool_dtype)
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
+        heads = load_heads(checkpoint_dir, section) if section.prerouter else None
+        consumer_of = dict(zip(heads[0].owners, heads[0].consumers)) if heads and options.prerouter else {}
         slots = options.staged_slots or k
-        self.staged = {l: StagedSlots(self.store, l, slots, pool_dtype) for l in layers} if options.staged else {}
+        staged_layers = layers if options.staged else sorted(consumer_of.values())
+        self.staged = {l: StagedSlots(self.store, l, slots, pool_dtype) for l in staged_layers}
         self.loader = WholeLayerLoader(self.store, layers, pool_dtype,
                                        drop_pages=options.page_cache == "drop-prefill")
         self.exact = ExactPath(self)
@@ -57,10 +64,29 @@ class StreamingRuntime:
         self.decode = StagedPath(self) if options.staged else self.decode_fallback
         self.whole_layer = WholeLayerPath(self)
         self.first_layer = layers[0]
-        # Prerouter heads are validated at load; decode does not consume them
-        # yet (prediction-as-routing is the next step).
-        self.heads = load_heads(checkpoint_dir, section)[1] if section.prerouter else {}
+        self.heads = heads[1] if heads else {}
+        self.prerouting = Prerouting(self, self.heads, consumer_of) if consumer_of else None
         mx.set_cache_limit(self.loader.layer_bytes)
+
+    def attach(self, blocks: dict[int, "StreamingMoE"]) -> None:
+        """Give the prerouter the blocks whose routing math it applies."""
+        if self.prerouting is not None:
+            self.prerouting.blocks = dict(blocks)
+
+    def routed_experts(self, block: "StreamingMoE", x: mx.array):
+        """Route one MoE call and compute its experts: (inds, scores, [B, L, K, D])."""
+        layer = block.layer
+        path = self.path_for(layer, x)
+        planned = self.prerouting.take(layer) if self.prerouting else None
+        if planned is not None:
+            y = self.prerouting.experts(layer, x, planned)
+            inds, scores = planned.inds, planned.scores
+        else:
+            inds, scores = block.route(block.router_logits(x))
+            y = path.experts(layer, x, inds)
+        if self.prerouting is not None:
+            self.prerouting.observe(layer, x, inds)
+        return inds, scores, y
 
     def path_for(self, layer: int, x: mx.array):
         """The path for this forward (x: [B, L, D]); opens a telemetry step at
@@ -70,6 +96,8 @@ class StreamingRuntime:
             self.telemetry.begin_step(batch * length)
             if length == 1:
                 self.loader.clear()
+            if self.prerouting is not None:
+                self.prerouting.begin_forward(batch, length)
         path = self._choose(batch, length)
         path.begin(layer)
         return path
@@ -100,6 +128,7 @@ class StreamingRuntime:
             "resident_bytes": self.resident_bytes(),
             "peak_memory": mx.get_peak_memory(),
             "decode_path": self.decode.name,
+            "prerouter": self.prerouting is not None,
         }
 
     def close(self) -> None:

@@ -77,11 +77,16 @@ class StagedSlots:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
-    def stage(self, ids: Sequence[int], hot: Optional[HotCache] = None) -> StagedSet:
+    def stage(self, ids: Sequence[int], hot: Optional[HotCache] = None, fill_hot: bool = True) -> StagedSet:
         """Fill the inactive buffer with experts ``ids`` and make it active.
 
-        Call on the compute thread once nothing unevaluated reads that buffer
-        (it was last used two steps ago). Returns at once; wait on ``reads``.
+        Bundles resident in the other buffer or the hot cache are copied. With
+        ``fill_hot`` the misses are read through the hot cache first (disk ->
+        cache -> slot, synchronously); without it they are read straight into
+        the slots in the background, which is what a prediction-driven fill
+        wants. Call on the compute thread once nothing unevaluated reads that
+        buffer (it was last used two steps ago). Returns at once; wait on
+        ``reads``.
         """
         b = 1 - self.active
         other = 1 - b
@@ -90,8 +95,13 @@ class StagedSlots:
         stats.staged_kept += len(plan.kept)
         buf, contents = self.buffers[b], self.contents[b]
         need = [(slot, e) for slot, e in plan.rewrites if not (self.contents[other] == e).any()]
-        hot_rows = hot.fetch(self.layer, [e for _, e in need]) if hot is not None and need else None
-        from_hot = dict(zip(need, hot_rows)) if hot_rows is not None else {}
+        if hot is not None and need and fill_hot:
+            rows = hot.fetch(self.layer, [e for _, e in need])
+            from_hot = dict(zip(need, rows)) if rows is not None else {}
+        elif hot is not None:
+            from_hot = {(s, e): r for s, e in need if (r := hot.row(self.layer, e)) is not None}
+        else:
+            from_hot = {}
         to_read: list[tuple[int, int]] = []
         for slot, e in plan.rewrites:
             in_other = np.flatnonzero(self.contents[other] == e)

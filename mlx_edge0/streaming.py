@@ -63,9 +63,7 @@ class StreamingMoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         # x: [B, L, D]; inds, scores: [B, L, K]
-        path = self.runtime.path_for(self.layer, x)
-        inds, scores = self.route(self.router_logits(x))
-        y = path.experts(self.layer, x, inds)  # [B, L, K, D]
+        inds, scores, y = self.runtime.routed_experts(self, x)  # y: [B, L, K, D]
         y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
         shared = self.shared(x)
         return y if shared is None else y + shared

@@ -27,6 +27,9 @@ class Stats:
             ``slot_rewrites`` = copied + read.
         staged_fallbacks: decode calls whose routed set did not fit the slots.
         whole_layer_loads: layers read whole for a prompt chunk.
+        prerouted: layer calls routed by the prerouter's prediction.
+        staged_drops: routed experts missing from a prerouted layer's staged
+            set (zero by construction: the prediction is the routing).
     """
 
     steps: int = 0
@@ -42,6 +45,8 @@ class Stats:
     staged_read: int = 0
     staged_fallbacks: int = 0
     whole_layer_loads: int = 0
+    prerouted: int = 0
+    staged_drops: int = 0
 
     def __add__(self, other: "Stats") -> "Stats":
         return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

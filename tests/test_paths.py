@@ -158,19 +158,20 @@ def test_fill_of_the_next_buffer_never_changes_the_current_step(converted, monke
     y = expert_glu(x, mx.take(current.slot_table, inds), slots.weights(current.buffer))
 
     real = os.preadv
-    writing = threading.Event()
+    writing, release = threading.Event(), threading.Event()
 
     def slow_preadv(fd, views, offset):
         writing.set()
-        time.sleep(0.05)  # still writing while the step computes
+        release.wait(10)  # held mid-fill until the current step has computed
         return real(fd, views, offset)
 
     monkeypatch.setattr(os, "preadv", slow_preadv)
     following = slots.stage([0, 2, 3, 5])  # the other buffer, filled in the background
     assert following.buffer != current.buffer
-    writing.wait(5)
+    assert writing.wait(10)
     mx.eval(y)  # the current step computes while the fill is in flight
     assert not following.reads.done()
+    release.set()
     following.reads.wait()
     assert mx.array_equal(y, want).item()
     assert mx.array_equal(expert_glu(x, mx.take(current.slot_table, inds), slots.weights(current.buffer)), want).item()

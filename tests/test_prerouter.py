@@ -16,7 +16,8 @@ from mlx_edge0.prerouter import PREROUTER_FILE, PrerouterSpec, init_heads, topk_
 from mlx_edge0.streaming import StreamingMoE
 from mlx_edge0.tensorfile import read_header
 
-from conftest import FAMILIES
+from conftest import FAMILIES, load_stock
+from test_equivalence import greedy
 
 
 @pytest.fixture
@@ -105,3 +106,73 @@ def test_mismatched_or_corrupt_heads_fail_clearly(with_heads):
 def test_default_spec_links_consecutive_moe_layers():
     spec = PrerouterSpec.default((1, 2, 3, 5), 8)
     assert spec.owners == (1, 2, 3) and spec.consumers == (2, 3, 5) and spec.k == 8
+
+
+# ------------------------------------------------------- prediction-as-routing
+
+
+class OracleHead:
+    """Returns, on its k-th call, the consumer's true router logits at the next
+    forward (recorded from an exact run): a head that is always right."""
+
+    def __init__(self, recorded: list[mx.array]):
+        self.recorded = recorded
+        self.calls = 0
+
+    def __call__(self, h, onehot_now, onehot_prev):
+        k = self.calls
+        self.calls += 1
+        nxt = self.recorded[k + 1] if k + 1 < len(self.recorded) else self.recorded[-1]
+        return nxt[:, -1].astype(mx.float32)
+
+
+def _prompt_ids(path):
+    _, tokenizer = mlx_edge0.load(path)
+    return tokenizer.encode("def parse(line):\n    return")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prerouted_decode_stages_exactly_the_routed_set(with_heads, family):
+    path = with_heads(family)
+    ids = _prompt_ids(path)
+    runs = []
+    for _ in range(2):
+        model = mlx_edge0.load_model(path)
+        model.reset_stats()
+        runs.append(greedy(model, ids, 60))
+        s = model.stats()
+        consumers = len(model.edge0_runtime.prerouting.consumer_of)
+        assert s["prerouter"] is True
+        assert s["prerouted"] >= consumers * 55  # every decode step, every consumer
+        assert s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+    assert runs[0] == runs[1]  # deterministic
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prerouter_off_is_exact_and_oracle_heads_reproduce_exact(with_heads, converted, family):
+    path = with_heads(family)
+    ids = _prompt_ids(path)
+    exact = mlx_edge0.load_model(path, prerouter=False)
+    assert exact.edge0_runtime.prerouting is None
+    want = greedy(load_stock(converted(family).source), ids, 40)
+    recorded: dict[int, list] = {}
+    for i, layer in enumerate(exact.layers):
+        block = layer.mlp
+        if isinstance(block, StreamingMoE):
+            calls = recorded.setdefault(i, [])
+
+            def record(x, block=block, calls=calls):
+                logits = type(block).router_logits(block, x)
+                calls.append(logits)
+                return logits
+
+            block.router_logits = record
+    assert greedy(exact, ids, 40) == want
+
+    model = mlx_edge0.load_model(path)
+    pre = model.edge0_runtime.prerouting
+    for owner, consumer in pre.consumer_of.items():
+        pre.heads[owner] = OracleHead(recorded[consumer])
+    model.reset_stats()
+    assert greedy(model, ids, 40) == want
+    assert model.stats()["prerouted"] > 0 and model.stats()["staged_drops"] == 0

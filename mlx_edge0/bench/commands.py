@@ -92,7 +92,7 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
     expanded = []
     for arm in arms:
-        if budgets and "@" not in arm and arm in ("edge0-hot", "edge0-staged"):
+        if budgets and "@" not in arm and arm in ("edge0-hot", "edge0-staged", "edge0-prerouter"):
             expanded += [f"{arm}@{b:g}" for b in budgets]
         else:
             expanded.append(arm)

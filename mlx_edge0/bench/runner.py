@@ -22,13 +22,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged")
+ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter")
 # Load options per edge0 arm. Staged uses the routing of the current step until
 # the prerouter provides predictions; hot and staged take a budget: ARM@GiB.
 ARM_OPTIONS = {
-    "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact"),
-    "edge0-hot": dict(staged=False, prefill="auto"),
-    "edge0-staged": dict(staged=True, prefill="auto"),
+    "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact", prerouter=False),
+    "edge0-hot": dict(staged=False, prefill="auto", prerouter=False),
+    "edge0-staged": dict(staged=True, prefill="auto", prerouter=False),
+    "edge0-prerouter": dict(staged=False, prefill="auto", prerouter=True),
 }
 ARM_LABELS = {"edge0-staged": "edge0-staged (current-step routing)"}
 
@@ -36,7 +37,7 @@ ARM_LABELS = {"edge0-staged": "edge0-staged (current-step routing)"}
 def parse_arm(arm: str) -> tuple[str, dict]:
     """``edge0-hot@0.5`` -> ("edge0-hot", load options with cache_gib=0.5)."""
     base, _, budget = arm.partition("@")
-    if base not in ARMS or (budget and base not in ("edge0-hot", "edge0-staged")):
+    if base not in ARMS or (budget and base not in ("edge0-hot", "edge0-staged", "edge0-prerouter")):
         raise ValueError(f"unknown arm {arm!r}: use {', '.join(ARMS)} (hot/staged may add @GiB)")
     options = dict(ARM_OPTIONS.get(base, {}))
     if budget:
