@@ -80,7 +80,7 @@ def _heads_line(prerouter) -> str:
         return "no"
     return (f"{len(prerouter['owners'])} (owners {prerouter['owners'][0]}-{prerouter['owners'][-1]}, "
             f"consumers {prerouter['consumers'][0]}-{prerouter['consumers'][-1]}, K={prerouter['k']}, "
-            f"not yet used at decode)")
+            f"prerouting single-sequence decode)")
 
 
 def format_description(d: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .checkpoint import Edge0Section
 from .hot import HotCache
@@ -29,8 +30,6 @@ from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     from .streaming import StreamingMoE
-
-GIB = 1 << 30
 
 
 class StreamingRuntime:
@@ -52,8 +51,8 @@ class StreamingRuntime:
         expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
         capacity = options.cache_bytes(expert_bytes) // SlotBuffers.row_nbytes(g, pool_dtype)
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
-        heads = load_heads(checkpoint_dir, section) if section.prerouter else None
-        consumer_of = dict(zip(heads[0].owners, heads[0].consumers)) if heads and options.prerouter else {}
+        spec, heads = load_heads(checkpoint_dir, section) if section.prerouter else (None, {})
+        consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
         slots = options.staged_slots or k
         staged_layers = layers if options.staged else sorted(consumer_of.values())
         self.staged = {l: StagedSlots(self.store, l, slots, pool_dtype) for l in staged_layers}
@@ -64,7 +63,7 @@ class StreamingRuntime:
         self.decode = StagedPath(self) if options.staged else self.decode_fallback
         self.whole_layer = WholeLayerPath(self)
         self.first_layer = layers[0]
-        self.heads = heads[1] if heads else {}
+        self.heads = heads
         self.prerouting = Prerouting(self, self.heads, consumer_of) if consumer_of else None
         mx.set_cache_limit(self.loader.layer_bytes)
 
@@ -118,6 +117,9 @@ class StreamingRuntime:
         return {
             "hot": self.hot.nbytes if self.hot else 0,
             "staged": sum(s.nbytes for s in self.staged.values()),
+            "prerouter_heads": sum(
+                v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters())
+            ),
         }
 
     def stats(self) -> dict:
