@@ -76,6 +76,8 @@ def option_flags(f):
                      show_default=True, help="Prompt-chunk path."),
         click.option("--prerouter/--no-prerouter", default=Options.prerouter, show_default=True,
                      help="Route with the prerouter heads' predictions (when the checkpoint has heads)."),
+        click.option("--k", "k", default=Options.k, show_default=True,
+                     help="Experts per token on prerouted layers (0 = the checkpoint's K)."),
         click.option("--page-cache", type=click.Choice(PAGE_CACHE_POLICIES), default=Options.page_cache,
                      show_default=True, help="What expert reads leave in the OS page cache."),
     ]
@@ -176,7 +178,9 @@ def heads() -> None:
 @heads.command("init")
 @click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--seed", default=0, show_default=True, help="Seed for fc1's initialisation.")
-def heads_init(checkpoint: Path, seed: int) -> None:
+@click.option("--k", "k", default=0, show_default=True,
+              help="K the consumer layers will route with (0 = the checkpoint's K).")
+def heads_init(checkpoint: Path, seed: int, k: int) -> None:
     """Write warm-started prerouter heads (each = the next layer's router applied
     to the current hidden) into CHECKPOINT."""
     from . import load_model
@@ -185,11 +189,15 @@ def heads_init(checkpoint: Path, seed: int) -> None:
     from .tensorfile import TensorFileError
 
     try:
-        model = load_model(checkpoint, compute_dtype="float32", cache_gib=0)
+        model = load_model(checkpoint, compute_dtype="float32", cache_gib=0, prerouter=False)
     except (CheckpointError, TensorFileError, ValueError) as e:
         _fail(str(e))
     section = model.edge0_section
-    spec = PrerouterSpec.default(section.moe_layers, section.num_experts_per_tok)
-    path = save_heads(checkpoint, init_heads(model, spec, seed=seed), spec)
+    spec = PrerouterSpec.default(section.moe_layers, k or section.num_experts_per_tok)
+    try:
+        heads = init_heads(model, spec, seed=seed)
+    except ValueError as e:
+        _fail(str(e))
+    path = save_heads(checkpoint, heads, spec)
     click.echo(f"wrote {path}: {len(spec.owners)} heads, owners {list(spec.owners)} -> "
                f"consumers {list(spec.consumers)}, K={spec.k}")

@@ -40,7 +40,8 @@ def describe(path: Path | str) -> dict[str, Any]:
         layers.append({"layer": layer, "file": expert_file(layer),
                        "bytes": (path / expert_file(layer)).stat().st_size})
     if section.prerouter:
-        load_heads(path, section)  # validates file, ownership, shapes, K, source hash
+        # validates file, ownership, shapes, K against config.json, source hash
+        load_heads(path, section, int(section.prerouter.get("k", 0)))
     shim = path / config.get("model_file", SHIM_FILE)
     shim_text = shim.read_text() if shim.is_file() else None
     g = section.experts
@@ -49,7 +50,11 @@ def describe(path: Path | str) -> dict[str, Any]:
         "model_type": config["model_type"],
         "format_version": section.format_version,
         "moe_layers": list(section.moe_layers),
-        "num_experts_per_tok": {str(i): section.num_experts_per_tok for i in section.moe_layers},
+        "num_experts_per_tok": {
+            str(i): (section.prerouter["k"] if section.prerouter and i in section.prerouter["consumers"]
+                     else section.num_experts_per_tok)
+            for i in section.moe_layers
+        },
         "experts": {
             "num_experts": g.num_experts,
             "hidden_size": g.hidden_size,
@@ -75,6 +80,13 @@ def describe(path: Path | str) -> dict[str, Any]:
     }
 
 
+def _k_line(k_of: dict[str, int]) -> str:
+    ks = sorted(set(k_of.values()))
+    if len(ks) == 1:
+        return f"{ks[0]} on every MoE layer"
+    return ", ".join(f"K={k} on layers {[int(i) for i, v in k_of.items() if v == k]}" for k in ks)
+
+
 def _heads_line(prerouter) -> str:
     if not prerouter:
         return "no"
@@ -92,7 +104,7 @@ def format_description(d: dict[str, Any]) -> str:
         f"  experts         {g['num_experts']} x ({g['hidden_size']} -> {g['intermediate_size']}), "
         f"int{g['bits']} group {g['group_size']}, scales {g['scales_dtype']}, "
         f"{human_bytes(g['bundle_bytes'])}/expert",
-        f"  K per layer     {sorted(set(d['num_experts_per_tok'].values()))[0]} on every MoE layer",
+        f"  K per layer     {_k_line(d['num_experts_per_tok'])}",
         f"  expert files    {human_bytes(d['expert_bytes'])} in {len(d['expert_files'])} files (headers valid)",
         f"  resident        {human_bytes(d['resident_bytes'])} ({d['resident_tensors']} tensors)",
         f"  quantization    {d['quantization']}",

@@ -59,7 +59,7 @@ class Edge0Model:
                 layers[i].mlp,
                 layer=i,
                 runtime=self.edge0_runtime,
-                num_experts_per_tok=args.section.num_experts_per_tok,
+                num_experts_per_tok=self.edge0_runtime.k_of[i],
             )
         self.edge0_runtime.attach({i: layers[i].mlp for i in stock_moe})
 

@@ -63,6 +63,10 @@ class Options:
         prerouter: route prerouted layers with the heads' predictions when
             the checkpoint has heads (single-sequence decode); False = the
             on-demand paths (the A/B baseline).
+        k: experts per token on the prerouted (consumer) layers, e.g. 8 -> 4.
+            0 = the K the checkpoint's heads were made for (the native K
+            without heads). Heads must match it (``edge0 heads init --k K``):
+            swapping K is swapping files.
     """
 
     compute_dtype: str = "auto"
@@ -74,6 +78,7 @@ class Options:
     prefill: str = "auto"
     page_cache: str = "keep"
     prerouter: bool = True
+    k: int = 0
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -91,6 +96,8 @@ class Options:
             raise ValueError(f"hot_policy must be one of {', '.join(HOT_POLICIES)}, got {self.hot_policy!r}")
         if not isinstance(self.staged_slots, int) or self.staged_slots < 0:
             raise ValueError(f"staged_slots must be an integer >= 0, got {self.staged_slots!r}")
+        if not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"k must be an integer >= 0 (0 = the checkpoint's K), got {self.k!r}")
         if self.page_cache not in PAGE_CACHE_POLICIES:
             raise ValueError(
                 f"page_cache must be one of {', '.join(PAGE_CACHE_POLICIES)}, got {self.page_cache!r}"

@@ -116,6 +116,8 @@ def init_heads(model, spec: Optional[PrerouterSpec] = None, seed: int = 0) -> di
     """Warm-started heads for a loaded edge0 model (owner layer -> head)."""
     section = model.edge0_section
     spec = spec or PrerouterSpec.default(section.moe_layers, section.num_experts_per_tok)
+    if not 0 < spec.k <= section.experts.num_experts:
+        raise ValueError(f"K={spec.k} is not in 1..{section.experts.num_experts}")
     mx.random.seed(seed)
     g = section.experts
     heads = {}
@@ -161,8 +163,9 @@ def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: Preroute
     return path
 
 
-def load_heads(checkpoint: Path, section) -> tuple[PrerouterSpec, dict[int, PrerouterHead]]:
-    """Read and validate the heads named by ``edge0.prerouter``.
+def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, dict[int, PrerouterHead]]:
+    """Read and validate the heads named by ``edge0.prerouter`` for routing
+    ``k`` experts on the consumer layers (0: the checkpoint's K).
 
     Raises:
         CheckpointError: naming prerouter.safetensors and the mismatch.
@@ -200,8 +203,10 @@ def load_heads(checkpoint: Path, section) -> tuple[PrerouterSpec, dict[int, Prer
         got = json.loads(meta.get(key, "null"))
         if got != want:
             raise fail(f"metadata {key}={got!r} does not match config.json ({want!r})")
-    if spec.k != section.num_experts_per_tok:
-        raise fail(f"heads were made for K={spec.k}; this checkpoint routes K={section.num_experts_per_tok}")
+    want_k = k or section.num_experts_per_tok
+    if spec.k != want_k:
+        raise fail(f"heads were made for K={spec.k}, but K={want_k} was asked for "
+                   f"(make matching heads with `edge0 heads init --k {want_k}`)")
     if meta.get("source_hash") != source_hash(checkpoint):
         raise fail("heads were made for another model (router weights differ: source_hash mismatch)")
     g = section.experts

@@ -51,7 +51,18 @@ class StreamingRuntime:
         expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
         capacity = options.cache_bytes(expert_bytes) // SlotBuffers.row_nbytes(g, pool_dtype)
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
-        spec, heads = load_heads(checkpoint_dir, section) if section.prerouter else (None, {})
+        if options.k and not section.prerouter:
+            raise ValueError(
+                f"k={options.k} applies to prerouted layers, and this checkpoint has no prerouter "
+                f"heads; make them with `edge0 heads init --k {options.k}`"
+            )
+        # K per MoE layer: the layers the heads predict route with the heads'
+        # K (so swapping the heads file swaps K); an explicit k must match it.
+        heads_k = int(section.prerouter.get("k", k)) if section.prerouter else k
+        spec, heads = load_heads(checkpoint_dir, section, options.k or heads_k) if section.prerouter else (None, {})
+        self.k_of = {l: k for l in layers}
+        if spec is not None:
+            self.k_of.update({c: spec.k for c in spec.consumers})
         consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
         slots = options.staged_slots or k
         staged_layers = layers if options.staged else sorted(consumer_of.values())

@@ -130,8 +130,9 @@ class OracleHead:
 
 
 def _prompt_ids(path):
-    _, tokenizer = mlx_edge0.load(path)
-    return tokenizer.encode("def parse(line):\n    return")
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(path).encode("def parse(line):\n    return")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -179,3 +180,31 @@ def test_prerouter_off_is_exact_and_oracle_heads_reproduce_exact(with_heads, con
     model.reset_stats()
     assert greedy(model, ids, 40) == want
     assert model.stats()["prerouted"] > 0 and model.stats()["staged_drops"] == 0
+
+
+def test_k_override_is_a_file_swap(with_heads):
+    path = with_heads("qwen3_next")  # native K=4, heads for K=4
+    with pytest.raises(CheckpointError, match="heads were made for K=4, but K=2 was asked for"):
+        mlx_edge0.load_model(path, k=2)
+    r = CliRunner().invoke(main, ["heads", "init", str(path), "--k", "2"])
+    assert r.exit_code == 0, r.output
+    with pytest.raises(CheckpointError, match="heads were made for K=2, but K=4"):
+        mlx_edge0.load_model(path, k=4)
+    model = mlx_edge0.load_model(path)  # the heads file sets K on the layers it predicts
+    assert mlx_edge0.load_model(path, k=2, prerouter=False).edge0_runtime.k_of[2] == 2
+    consumers = set(model.edge0_runtime.prerouting.consumer_of.values())
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, StreamingMoE):
+            assert layer.mlp.top_k == (2 if i in consumers else 4)
+    model.edge0_runtime.routing_trace = trace = []
+    greedy(model, _prompt_ids(path), 20)
+    s = model.stats()
+    assert s["prerouted"] > 0 and s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+    assert all(len(ids) <= 4 for _, ids in trace)  # the first MoE layer keeps K=4
+    info = CliRunner().invoke(main, ["info", str(path)]).output
+    assert "K=2 on layers [2, 3]" in info and "K=4 on layers [1]" in info
+
+
+def test_k_override_needs_heads(converted):
+    with pytest.raises(ValueError, match="no prerouter heads; make them with `edge0 heads init --k 2`"):
+        mlx_edge0.load_model(converted("qwen3_moe").edge0, k=2)

@@ -86,6 +86,8 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
               help="Compute dtype of both arms.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed.")
+@click.option("--k", "k", type=int, default=0, show_default=True,
+              help="K on the prerouted layers of edge0 arms (needs heads for it); stock stays native.")
 @click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
               help="Seconds before a run is killed and recorded as failed.")
 def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):

@@ -80,6 +80,7 @@ class BenchOptions:
     dtype: str = "float32"
     seed: int = 0
     timeout_s: float = 3600.0
+    k: int = 0  # K on prerouted layers of edge0 arms (0 = native); stock stays native
 
     def __post_init__(self):
         if not self.arms:
@@ -115,6 +116,7 @@ class RunSpec:
     decode_tokens: int
     dtype: str
     seed: int
+    k: int = 0
 
     def argv(self) -> list[str]:
         return [
@@ -122,14 +124,14 @@ class RunSpec:
             "--arm", self.arm, "--path", str(self.path),
             "--prompt-tokens", str(self.prompt_tokens),
             "--decode-tokens", str(self.decode_tokens),
-            "--dtype", self.dtype, "--seed", str(self.seed),
+            "--dtype", self.dtype, "--seed", str(self.seed), "--k", str(self.k),
         ]  # fmt: skip
 
 
 # ---------------------------------------------------------------- child side
 
 
-def _load(arm: str, path: Path, dtype: str):
+def _load(arm: str, path: Path, dtype: str, k: int = 0):
     import mlx.core as mx
 
     base, options = parse_arm(arm)
@@ -143,7 +145,7 @@ def _load(arm: str, path: Path, dtype: str):
         return model
     from mlx_edge0 import load_model
 
-    model = load_model(path, compute_dtype=dtype, **options)
+    model = load_model(path, compute_dtype=dtype, **options, **({"k": k} if k else {}))
     mx.eval(model.parameters())
     return model
 
@@ -178,7 +180,7 @@ def measure(spec: RunSpec) -> dict:
 
     mx.reset_peak_memory()
     start = time.perf_counter()
-    model = _load(spec.arm, spec.path, spec.dtype)
+    model = _load(spec.arm, spec.path, spec.dtype, spec.k)
     load_s = time.perf_counter() - start
     active_after_load = mx.get_active_memory()
     load_peak = mx.get_peak_memory()
@@ -252,8 +254,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=0)
     a = p.parse_args(argv)
-    spec = RunSpec(a.arm, a.path, a.prompt_tokens, a.decode_tokens, a.dtype, a.seed)
+    spec = RunSpec(a.arm, a.path, a.prompt_tokens, a.decode_tokens, a.dtype, a.seed, a.k)
     print(json.dumps(measure(spec)), flush=True)
 
 
@@ -416,7 +419,7 @@ def run_bench(
                 note = prepare_page_cache(path, cache)
                 spec = RunSpec(
                     arm, path, options.prompt_tokens, options.decode_tokens,
-                    options.dtype, options.seed,
+                    options.dtype, options.seed, 0 if arm == "stock" else options.k,
                 )  # fmt: skip
                 progress(f"[bench] round {rnd + 1}/{options.rounds} {cache} {arm} ...")
                 record = run_child(spec, options.timeout_s)
