@@ -94,7 +94,8 @@ class StagedSlots:
         stats = self.store.telemetry.current
         stats.staged_kept += len(plan.kept)
         buf, contents = self.buffers[b], self.contents[b]
-        need = [(slot, e) for slot, e in plan.rewrites if not (self.contents[other] == e).any()]
+        in_other = {int(e): s for s, e in enumerate(self.contents[other]) if e >= 0}
+        need = [(slot, e) for slot, e in plan.rewrites if e not in in_other]
         if hot is not None and need and fill_hot:
             rows = hot.fetch(self.layer, [e for _, e in need])
             from_hot = dict(zip(need, rows)) if rows is not None else {}
@@ -104,9 +105,8 @@ class StagedSlots:
             from_hot = {}
         to_read: list[tuple[int, int]] = []
         for slot, e in plan.rewrites:
-            in_other = np.flatnonzero(self.contents[other] == e)
-            if in_other.size:
-                buf.copy_row(self.buffers[other], int(in_other[0]), slot)
+            if e in in_other:
+                buf.copy_row(self.buffers[other], in_other[e], slot)
                 stats.staged_copied += 1
             elif (slot, e) in from_hot:
                 buf.copy_row(hot.buffers, int(from_hot[(slot, e)]), slot)
