@@ -18,6 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
+from mlx_edge0.checkpoint import read_config, text_config
 from mlx_edge0.hot import POLICIES, plan_fill
 from mlx_edge0.slots import SlotBuffers
 
@@ -25,8 +26,7 @@ from mlx_edge0.slots import SlotBuffers
 def record_trace(path: Path, tokens: int, prompt_tokens: int) -> tuple[list, int, int]:
     model = mlx_edge0.load_model(path, cache_gib=0, staged=False, prefill="exact")
     rt = model.edge0_runtime
-    config = json.loads((path / "config.json").read_text())
-    vocab = config.get("text_config", config)["vocab_size"]
+    vocab = text_config(read_config(path))["vocab_size"]
     cache = make_prompt_cache(model)
     y = mx.array(np.random.default_rng(0).integers(0, vocab, prompt_tokens), mx.int32)[None]
     y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]

@@ -32,6 +32,7 @@ def child(path: Path, policy: str, prompt_tokens: int, decode_tokens: int) -> di
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlx_edge0
+    from mlx_edge0.checkpoint import read_config, text_config
 
     files = sorted((path / "experts").glob("*.safetensors"))
     for f in files:
@@ -39,8 +40,7 @@ def child(path: Path, policy: str, prompt_tokens: int, decode_tokens: int) -> di
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     model = mlx_edge0.load_model(path, cache_gib=0.5, page_cache=policy)
-    config = json.loads((path / "config.json").read_text())
-    vocab = config.get("text_config", config)["vocab_size"]
+    vocab = text_config(read_config(path))["vocab_size"]
     cache = make_prompt_cache(model)
     prompt = mx.array(np.random.default_rng(0).integers(0, vocab, prompt_tokens), mx.int32)[None]
     y = mx.argmax(model(prompt, cache=cache)[:, -1], -1)[:, None]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
+from mlx_edge0.checkpoint import read_config, text_config
 
 
 def main() -> None:
@@ -31,8 +31,7 @@ def main() -> None:
     p.add_argument("--staged", action="store_true")
     a = p.parse_args()
     model = mlx_edge0.load_model(a.checkpoint, cache_gib=a.cache_gib, staged=a.staged)
-    config = json.loads((a.checkpoint / "config.json").read_text())
-    vocab = config.get("text_config", config)["vocab_size"]
+    vocab = text_config(read_config(a.checkpoint))["vocab_size"]
     cache = make_prompt_cache(model)
     prompt = mx.array(np.random.default_rng(0).integers(0, vocab, a.prompt_tokens), mx.int32)
 

@@ -43,7 +43,6 @@ class Edge0Model:
 
     def __init__(self, args: Edge0Args):
         super().__init__(args.stock_args)
-        self.edge0_options = args.options
         self.edge0_section = args.section
         self.edge0_runtime = StreamingRuntime(args.checkpoint_dir, args.section, args.options)
         layers = self.layers

@@ -245,10 +245,6 @@ class ExpertStore:
         weakref.finalize(self, _release, self._pool, list(self.layers.values()))
         self._pad = bytearray(max(1, self.geometry.pad_bytes(section.alignment)))
 
-    @property
-    def bundle_bytes(self) -> int:
-        return self.geometry.bundle_bytes
-
     def submit(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers,
                drop_pages: bool = False) -> ReadBatch:
         """Start reading expert ``ids[i]`` of ``layer`` into row ``rows[i]`` of ``target``.

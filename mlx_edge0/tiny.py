@@ -21,8 +21,9 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 from mlx_lm.utils import quantize_model, save_config, save_model
+
+from .model_patches import resolve_model_type
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 0, 2  # <|endoftext|>, <|im_end|>: trained first, so ids are fixed
@@ -207,14 +208,7 @@ def tiny_config(model_type: str, vocab_size: int = 512) -> dict:
 
 def model_module(config: dict) -> ModuleType:
     """The stock mlx-lm module for ``config``, resolved the way ``load`` resolves it."""
-    model_type = config["model_type"]
-    for arch in config.get("architectures") or ():
-        if (model_type, arch) in MODEL_ARCHITECTURE_REMAPPING:
-            model_type = MODEL_ARCHITECTURE_REMAPPING[(model_type, arch)]
-            break
-    else:
-        model_type = MODEL_REMAPPING.get(model_type, model_type)
-    return importlib.import_module(f"mlx_lm.models.{model_type}")
+    return importlib.import_module(f"mlx_lm.models.{resolve_model_type(config)}")
 
 
 def _randomize(path: str, v: mx.array) -> mx.array:

@@ -151,8 +151,9 @@ def _load(arm: str, path: Path, dtype: str, k: int = 0):
 
 
 def _vocab_size(path: Path) -> int:
-    config = json.loads((path / "config.json").read_text())
-    return config.get("text_config", config)["vocab_size"]
+    from mlx_edge0.checkpoint import read_config, text_config
+
+    return text_config(read_config(path))["vocab_size"]
 
 
 def _counters(model, reset: bool = False) -> Optional[dict]:

@@ -40,13 +40,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import (
-    MODEL_ARCHITECTURE_REMAPPING,
-    MODEL_REMAPPING,
     get_total_parameters,
     quantize_model,
     save_config,
 )
 
+from ..checkpoint import text_config
+from ..model_patches import resolve_model_type
 from ..tensorfile import TensorWriter, dtype_code
 
 GEOMETRIES_FILE = Path(__file__).with_name("geometries.json")
@@ -121,20 +121,6 @@ class SynthReport:
     seconds: float
 
 
-def text_config(config: dict) -> dict:
-    """The dict holding the language model's fields (nested for Qwen3.5)."""
-    return config.get("text_config", config)
-
-
-def module_name(config: dict) -> str:
-    """The mlx-lm model module a config loads with (mlx-lm's own remapping)."""
-    model_type = config["model_type"]
-    for arch in config.get("architectures") or ():
-        if (model_type, arch) in MODEL_ARCHITECTURE_REMAPPING:
-            return MODEL_ARCHITECTURE_REMAPPING[(model_type, arch)]
-    return MODEL_REMAPPING.get(model_type, model_type)
-
-
 def source_config(options: SynthOptions) -> dict:
     """The Hugging Face config.json of the real model, shrunk as the options say."""
     geo = copy.deepcopy(geometries()[options.geometry])
@@ -158,7 +144,7 @@ def quantized_model(config: dict, seed: int) -> tuple[nn.Module, dict]:
 
     Returns the model (no parameter evaluated) and the config mlx-lm would save.
     """
-    arch = importlib.import_module(f"mlx_lm.models.{module_name(config)}")
+    arch = importlib.import_module(f"mlx_lm.models.{resolve_model_type(config)}")
     mx.random.seed(seed)  # stock random inits (e.g. Qwen3.5's A_log) become deterministic
     model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(config)))
     keep = getattr(model, "cast_predicate", lambda _: True)
