@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .checkpoint import CheckpointError, Edge0Section
 from .options import Options
@@ -61,6 +62,29 @@ class Edge0Model:
                 num_experts_per_tok=self.edge0_runtime.k_of[i],
             )
         self.edge0_runtime.attach({i: layers[i].mlp for i in stock_moe})
+
+    def make_cache(self) -> list:
+        """The stock caches, plus (with the prerouter on) one ``ArraysCache``
+        of per-sequence prediction state, so batching carries it."""
+        stock = super().make_cache() if hasattr(super(), "make_cache") else [KVCache() for _ in self.layers]
+        prerouting = self.edge0_runtime.prerouting
+        return stock if prerouting is None else [*stock, prerouting.make_cache()]
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None, **kwargs) -> mx.array:
+        prerouting = self.edge0_runtime.prerouting
+        if prerouting is None:
+            return super().__call__(inputs, cache=cache, **kwargs)
+        state = None
+        if cache is not None and len(cache) == len(self.layers) + 1:
+            *cache, state = cache
+        prerouting.bind(state)
+        try:
+            out = super().__call__(inputs, cache=cache, **kwargs)
+        finally:
+            prerouting.bind(None)
+        if state is not None and state.lengths is not None:
+            state.advance(inputs.shape[1])
+        return out
 
     def sanitize(self, weights: dict) -> dict:
         """Stock sanitize, then the compute-dtype cast (fp32 on CPU by default)."""

@@ -5,17 +5,22 @@ post-attention-norm output) and its top-k one-hots at t and t-1, producing
 router logits for the consumer layer N+1 at step t+1. When step t+1 opens
 (its first MoE layer), all predictions are turned into routing at once — the
 consumer's *own* routing math on the predicted logits, one host sync per step
-— and every consumer's staged buffer starts filling with exactly that set. The
-consumer layer later waits only for its own reads and computes with those
-indices and weights: the staged set is the routed set, so nothing is dropped
-and nothing falls back (counted in telemetry: ``prerouted``, ``staged_drops``).
+— and every consumer's staged buffer starts filling with exactly that set
+(the union over the batch). The consumer layer later waits only for its own
+reads and computes with those indices and weights: the staged set is the
+routed set, so nothing is dropped and nothing falls back (counted in
+telemetry: ``prerouted``, ``staged_drops``).
 
-Prefill does not predict, but the heads run on the last prompt token, so the
-first decode step is already staged.
+Per-sequence state (each owner's last one-hot, its prediction, and whether
+that prediction is valid) lives in one extra ``ArraysCache`` appended to the
+model's ``make_cache()`` list, so mlx-lm's batching (merge, filter, extend,
+extract) and prompt-cache reuse carry it with the sequence. A sequence with no
+valid prediction (a fresh cache, a one-token prompt) routes with the gate at
+that step; sequences that have one route with it, batched or alone.
 
-Scope: one sequence at a time. A forward with B > 1 (mlx_lm.server batching)
-routes every layer with its gate and discards predictions, since per-sequence
-prediction state does not yet live in the model's cache entries.
+Prefill does not predict, but the heads run on each sequence's last prompt
+token (``lengths`` of a right-padded batch prompt are honoured), so the first
+decode step is already staged.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ArraysCache
 
 from .expert_math import expert_glu
 from .prerouter import PrerouterHead, topk_onehot
@@ -34,51 +40,87 @@ if TYPE_CHECKING:
     from .runtime import StreamingRuntime
     from .streaming import StreamingMoE
 
+SLOTS_PER_OWNER = 3  # one-hot at the last token, predicted logits, valid
+
 
 @dataclass(frozen=True)
 class Planned:
     """A consumer layer's routing for this step, decided from the prediction."""
 
-    inds: mx.array  # [1, 1, K]
-    scores: mx.array  # [1, 1, K]
-    ids: np.ndarray  # the unique routed experts (== the staged set)
-    staged: StagedSet
+    inds: mx.array  # [B, 1, K]
+    scores: mx.array  # [B, 1, K]
+    ids: np.ndarray  # the unique routed experts over the batch (== the staged set)
+    staged: Optional[StagedSet]  # None: the set is computed on the on-demand path
 
 
 class Prerouting:
-    """Owner heads, per-owner prediction state, and the staged fills they drive."""
+    """Owner heads, the bound per-sequence state, and the staged fills they drive."""
 
     def __init__(self, runtime: "StreamingRuntime", heads: dict[int, PrerouterHead],
                  consumer_of: dict[int, int]):
         self.runtime = runtime
         self.heads = heads
         self.consumer_of = consumer_of
+        self.owners = sorted(consumer_of)
+        self.owner_of = {c: o for o, c in consumer_of.items()}
         self.blocks: dict[int, "StreamingMoE"] = {}
-        self.state: dict[int, tuple[mx.array, mx.array]] = {}  # owner -> (onehot now, logits)
+        self.state: Optional[ArraysCache] = None
         self.planned: dict[int, Planned] = {}
+        self.partial: dict[int, tuple[mx.array, mx.array]] = {}  # consumer -> (valid [B], logits)
 
-    def begin_forward(self, batch: int, length: int) -> None:
-        """Turn the last step's predictions into routing and start the fills."""
+    def make_cache(self) -> ArraysCache:
+        """The per-sequence prediction state (see the module docstring)."""
+        return ArraysCache(SLOTS_PER_OWNER * len(self.owners))
+
+    def _slot(self, owner: int) -> int:
+        return SLOTS_PER_OWNER * self.owners.index(owner)
+
+    def bind(self, state: Optional[ArraysCache]) -> None:
+        """Use ``state`` for the forward about to run (None: no prediction)."""
+        self.state = state
         self.planned.clear()
-        if batch != 1 or length != 1:
-            self.state.clear()  # a new prompt (or a batch): old predictions do not apply
+        self.partial.clear()
+
+    def begin_forward(self, length: int) -> None:
+        """Turn the last step's predictions into routing and start the fills."""
+        state = self.state
+        if state is None or length != 1:
             return
-        routed = {
-            consumer: self.blocks[consumer].route(self.state[owner][1][:, None, :])
-            for owner, consumer in self.consumer_of.items()
-            if owner in self.state
-        }
-        if not routed:
+        predicted = {}
+        for owner, consumer in self.consumer_of.items():
+            s = self._slot(owner)
+            if state[s + 2] is not None:
+                logits, valid = state[s + 1], state[s + 2]
+                predicted[consumer] = (valid, logits, *self.blocks[consumer].route(logits[:, None, :]))
+        if not predicted:
             return
-        mx.eval([inds for inds, _ in routed.values()])  # the one sync per step
+        mx.eval([(v, i) for v, _, i, _ in predicted.values()])  # the one sync per step
         rt = self.runtime
-        for consumer, (inds, scores) in routed.items():
+        for consumer, (valid, logits, inds, scores) in predicted.items():
+            valid_host = np.array(valid)
+            if not valid_host.any():
+                continue
+            if not valid_host.all():  # mixed batch: gate for the rest, on demand
+                self.partial[consumer] = (valid, logits)
+                continue
             ids = np.unique(np.array(inds))
-            staged = rt.staged[consumer].stage(ids, rt.hot, fill_hot=False)
+            slots = rt.staged[consumer]
+            if len(ids) > slots.slots:
+                slots.grow(len(ids))
+            staged = slots.stage(ids, rt.hot, fill_hot=False)
             self.planned[consumer] = Planned(inds, scores, ids, staged)
 
     def take(self, layer: int) -> Optional[Planned]:
         return self.planned.pop(layer, None)
+
+    def mix(self, layer: int, gate_logits: mx.array) -> mx.array:
+        """Router logits for a batch where only some sequences have a
+        prediction: theirs for those, the gate's for the rest."""
+        part = self.partial.pop(layer, None)
+        if part is None:
+            return gate_logits
+        valid, logits = part
+        return mx.where(valid[:, None, None], logits[:, None, :].astype(gate_logits.dtype), gate_logits)
 
     def experts(self, layer: int, x: mx.array, planned: Planned) -> mx.array:
         """Compute a prerouted layer from its staged buffer (waiting only for it)."""
@@ -100,16 +142,33 @@ class Prerouting:
         return expert_glu(x, local, weights)
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
-        """Owner layers: run the head on the last token, keep its prediction."""
+        """Owner layers: run the head on each sequence's last token, keep its prediction."""
         head = self.heads.get(layer)
-        if head is None or x.shape[0] != 1:
+        state = self.state
+        if head is None or state is None:
             return
+        B, L = x.shape[0], x.shape[1]
+        s = self._slot(layer)
         num_experts = self.runtime.section.experts.num_experts
-        now = topk_onehot(inds[:, -1], num_experts)
-        if x.shape[1] > 1:
-            prev = topk_onehot(inds[:, -2], num_experts)
-        elif layer in self.state:
-            prev = self.state[layer][0]
+        rows = mx.arange(B)
+        if state.lengths is not None:  # a right-padded batch prompt chunk
+            remaining = state.lengths.astype(mx.int32)
+            last = mx.clip(remaining - 1, 0, L - 1)
+            update = remaining > 0
         else:
-            prev = mx.zeros_like(now)
-        self.state[layer] = (now, head(x[:, -1], now, prev))
+            last = mx.full((B,), L - 1, mx.int32)
+            update = None
+        now = topk_onehot(inds[rows, last], num_experts)
+        prev_in_chunk = topk_onehot(inds[rows, mx.maximum(last - 1, 0)], num_experts)
+        old_now, old_logits, old_valid = state[s], state[s + 1], state[s + 2]
+        carried = mx.zeros_like(now) if old_now is None else old_now * old_valid[:, None]
+        prev = mx.where((last >= 1)[:, None], prev_in_chunk, carried)
+        logits = head(x[rows, last], now, prev)
+        valid = mx.ones((B,), mx.bool_)
+        if update is not None and old_valid is not None:
+            now = mx.where(update[:, None], now, old_now)
+            logits = mx.where(update[:, None], logits, old_logits)
+            valid = mx.where(update, valid, old_valid)
+        elif update is not None:
+            valid = update
+        state[s], state[s + 1], state[s + 2] = now, logits, valid

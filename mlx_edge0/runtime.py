@@ -92,7 +92,10 @@ class StreamingRuntime:
             y = self.prerouting.experts(layer, x, planned)
             inds, scores = planned.inds, planned.scores
         else:
-            inds, scores = block.route(block.router_logits(x))
+            logits = block.router_logits(x)
+            if self.prerouting is not None:
+                logits = self.prerouting.mix(layer, logits)
+            inds, scores = block.route(logits)
             y = path.experts(layer, x, inds)
         if self.prerouting is not None:
             self.prerouting.observe(layer, x, inds)
@@ -107,7 +110,7 @@ class StreamingRuntime:
             if length == 1:
                 self.loader.clear()
             if self.prerouting is not None:
-                self.prerouting.begin_forward(batch, length)
+                self.prerouting.begin_forward(length)
         path = self._choose(batch, length)
         path.begin(layer)
         return path

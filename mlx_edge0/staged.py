@@ -122,6 +122,16 @@ class StagedSlots:
         self.active = b
         return StagedSet(b, mx.array(table), reads)
 
+    def grow(self, slots: int) -> None:
+        """Hold at least ``slots`` experts per buffer (a batch's routed union
+        can exceed K). New buffers start empty; graphs still reading the old
+        ones keep them alive, so nothing in flight is overwritten."""
+        if slots <= self.slots:
+            return
+        self.slots = slots
+        self.buffers = [SlotBuffers(self.store.geometry, slots, self.buffers[0].scales_dtype) for _ in range(2)]
+        self.contents = [np.full(slots, -1, np.int64) for _ in range(2)]
+
     def invalidate(self, buffer: int) -> None:
         """Forget a buffer's contents (after a failed fill its rows are garbage)."""
         self.contents[buffer][:] = -1

@@ -208,3 +208,48 @@ def test_k_override_is_a_file_swap(with_heads):
 def test_k_override_needs_heads(converted):
     with pytest.raises(ValueError, match="no prerouter heads; make them with `edge0 heads init --k 2`"):
         mlx_edge0.load_model(converted("qwen3_moe").edge0, k=2)
+
+
+PROMPTS = ["def parse(line):\n    return", "import os", "class Stack:\n    def push(self, item):\n        self.items"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_prompts_equal_each_run_alone(with_heads, family):
+    """Prediction state is per sequence (in the cache entries): batching
+    different prompts (different lengths, so right-padded) changes nothing."""
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.utils import load_tokenizer
+
+    path = with_heads(family)
+    tokenizer = load_tokenizer(path)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    model = mlx_edge0.load_model(path)
+    alone = [greedy(model, p, 24) for p in prompts]
+    model.reset_stats()
+    batched = batch_generate(model, tokenizer, prompts, max_tokens=24, return_token_ids=True)
+    s = model.stats()
+    assert s["prerouted"] > 0 and s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+    eos = set(tokenizer.eos_token_ids)
+    for want, got in zip(alone, batched.token_ids):
+        stop = next((i for i, t in enumerate(want) if t in eos), len(want))
+        assert list(got)[:stop] == want[:stop]
+
+
+def test_prediction_state_lives_in_the_cache(with_heads):
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    path = with_heads("qwen3_moe")
+    model = mlx_edge0.load_model(path)
+    cache = make_prompt_cache(model)
+    assert len(cache) == len(model.layers) + 1 and isinstance(cache[-1], ArraysCache)
+    model(mx.array([[5, 6, 7]]), cache=cache)
+    assert cache[-1][2].tolist() == [True]  # a valid prediction after the prompt
+    model.reset_stats()
+    model(mx.array([[8]]), cache=cache)
+    assert model.stats()["prerouted"] == len(model.edge0_runtime.prerouting.consumer_of)
+    fresh = make_prompt_cache(model)
+    model.reset_stats()
+    model(mx.array([[8]]), cache=fresh)  # no prediction yet: the gate routes
+    assert model.stats()["prerouted"] == 0
+    assert len(mlx_edge0.load_model(path, prerouter=False).make_cache()) == len(model.layers)

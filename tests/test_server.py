@@ -4,6 +4,7 @@ concurrent (batched) requests return exactly what each returns alone."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from click.testing import CliRunner
+
 import mlx_edge0
+from mlx_edge0.cli import main
 
 from test_equivalence import greedy
 
@@ -28,11 +32,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(converted):
-    c = converted("qwen3_next")
+def server(converted, tmp_path_factory):
+    """The server on a checkpoint with prerouter heads (prediction state per
+    sequence is what batching must keep apart)."""
+    edge0 = tmp_path_factory.mktemp("server") / "ckpt"
+    shutil.copytree(converted("qwen3_next").edge0, edge0)
+    result = CliRunner().invoke(main, ["heads", "init", str(edge0)])
+    assert result.exit_code == 0, result.output
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm", "server", "--model", str(c.edge0),
+        [sys.executable, "-m", "mlx_lm", "server", "--model", str(edge0),
          "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -47,7 +56,7 @@ def server(converted):
                 proc.kill()
                 pytest.fail(f"server did not start: {proc.stderr.read()[-2000:]}")
             time.sleep(0.2)
-    yield c, url
+    yield edge0, url
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -60,8 +69,8 @@ def _complete(url: str, prompt: str) -> str:
 
 
 def test_completion_matches_in_process_greedy(server):
-    c, url = server
-    model, tokenizer = mlx_edge0.load(c.edge0)
+    edge0, url = server
+    model, tokenizer = mlx_edge0.load(edge0)
     tokens = greedy(model, tokenizer.encode(PROMPTS[0]), MAX_TOKENS)
     stop = [i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids]
     want = tokenizer.decode(tokens[: stop[0]] if stop else tokens)
