@@ -236,8 +236,8 @@ def test_batched_prompts_equal_each_run_alone(with_heads, family):
         assert list(got)[:stop] == want[:stop]
 
 
-def test_prediction_state_lives_in_the_cache(with_heads):
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+def test_prediction_state_lives_in_the_cache(with_heads, tmp_path):
+    from mlx_lm.models.cache import ArraysCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
     path = with_heads("qwen3_moe")
     model = mlx_edge0.load_model(path)
@@ -245,8 +245,14 @@ def test_prediction_state_lives_in_the_cache(with_heads):
     assert len(cache) == len(model.layers) + 1 and isinstance(cache[-1], ArraysCache)
     model(mx.array([[5, 6, 7]]), cache=cache)
     assert cache[-1][2].tolist() == [True]  # a valid prediction after the prompt
+    save_prompt_cache(str(tmp_path / "prompt.safetensors"), cache)
+    loaded = load_prompt_cache(str(tmp_path / "prompt.safetensors"))
+    assert mx.array_equal(loaded[-1][1], cache[-1][1]).item()  # the stock loader carries it
     model.reset_stats()
-    model(mx.array([[8]]), cache=cache)
+    from_file = model(mx.array([[8]]), cache=loaded)
+    assert model.stats()["prerouted"] == len(model.edge0_runtime.prerouting.consumer_of)
+    model.reset_stats()
+    assert mx.array_equal(model(mx.array([[8]]), cache=cache), from_file).item()
     assert model.stats()["prerouted"] == len(model.edge0_runtime.prerouting.consumer_of)
     fresh = make_prompt_cache(model)
     model.reset_stats()
