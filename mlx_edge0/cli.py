@@ -80,6 +80,8 @@ def option_flags(f):
                      help="Experts per token on prerouted layers (0 = the checkpoint's K)."),
         click.option("--page-cache", type=click.Choice(PAGE_CACHE_POLICIES), default=Options.page_cache,
                      show_default=True, help="What expert reads leave in the OS page cache."),
+        click.option("--lora/--no-lora", default=Options.lora, show_default=True,
+                     help="Apply the checkpoint's recovery LoRA adapters (when it has them), unmerged."),
     ]
     for flag in reversed(flags):
         f = flag(f)

@@ -20,6 +20,7 @@ from .checkpoint import (
     human_bytes,
     read_config,
 )
+from .lora import has_adapters, read_adapters
 from .prerouter import load_heads
 from .store import LayerFile
 from .tensorfile import read_header
@@ -42,6 +43,15 @@ def describe(path: Path | str) -> dict[str, Any]:
     if section.prerouter:
         # validates file, ownership, shapes, K against config.json, source hash
         load_heads(path, section, int(section.prerouter.get("k", 0)))
+    adapters = None
+    if has_adapters(path):
+        heads_k = section.prerouter.get("k") if section.prerouter else section.num_experts_per_tok
+        a = read_adapters(path, k=int(heads_k))  # validates both files against this checkpoint
+        kinds: dict[str, int] = {}
+        for kind in a.kinds.values():
+            kinds[kind] = kinds.get(kind, 0) + 1
+        adapters = {"rank": a.config.rank, "alpha": a.config.alpha, "scale": a.config.scale,
+                    "k": a.config.k, "targets": len(a.config.targets), "kinds": kinds, "bytes": a.nbytes}
     shim = path / config.get("model_file", SHIM_FILE)
     shim_text = shim.read_text() if shim.is_file() else None
     g = section.experts
@@ -77,6 +87,7 @@ def describe(path: Path | str) -> dict[str, Any]:
         },
         "optional_files": {name: (path / name).exists() for name in OPTIONAL_FILES},
         "prerouter": section.prerouter,
+        "adapters": adapters,
     }
 
 
@@ -95,6 +106,14 @@ def _heads_line(prerouter) -> str:
             f"prerouting single-sequence decode)")
 
 
+def _adapters_line(adapters) -> str:
+    if not adapters:
+        return "no"
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(adapters["kinds"].items()))
+    return (f"r={adapters['rank']} alpha={adapters['alpha']:g} on {adapters['targets']} projections "
+            f"({kinds}), K={adapters['k']}, {human_bytes(adapters['bytes'])}, unmerged")
+
+
 def format_description(d: dict[str, Any]) -> str:
     g = d["experts"]
     lines = [
@@ -109,7 +128,7 @@ def format_description(d: dict[str, Any]) -> str:
         f"  resident        {human_bytes(d['resident_bytes'])} ({d['resident_tensors']} tensors)",
         f"  quantization    {d['quantization']}",
         f"  prerouter heads {_heads_line(d['prerouter'])}",
-        f"  LoRA adapters   {'yes' if d['optional_files']['adapters.safetensors'] else 'no'}",
+        f"  LoRA adapters   {_adapters_line(d['adapters'])}",
     ]
     if d["shim"]["ours"]:
         lines.append(f"  remote code     {d['shim']['file']} is the mlx-edge0 shim (imports mlx_edge0 only)")

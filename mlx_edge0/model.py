@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .checkpoint import CheckpointError, Edge0Section
+from .lora import attach, consumer_k, has_adapters, read_adapters
 from .options import Options
 from .runtime import StreamingRuntime
 from .streaming import StreamingMoE
@@ -41,10 +42,13 @@ class Edge0Model:
 
     stock_block: ClassVar[type]
     streaming_block: ClassVar[type[StreamingMoE]]
+    # LoRA targets: projection name inside a decoder layer -> kind (see lora.py)
+    lora_targets: ClassVar[dict[str, str]] = {}
 
     def __init__(self, args: Edge0Args):
         super().__init__(args.stock_args)
         self.edge0_section = args.section
+        self.edge0_checkpoint_dir = args.checkpoint_dir
         self.edge0_runtime = StreamingRuntime(args.checkpoint_dir, args.section, args.options)
         layers = self.layers
         stock_moe = [i for i, layer in enumerate(layers) if isinstance(layer.mlp, self.stock_block)]
@@ -62,6 +66,14 @@ class Edge0Model:
                 num_experts_per_tok=self.edge0_runtime.k_of[i],
             )
         self.edge0_runtime.attach({i: layers[i].mlp for i in stock_moe})
+        # Adapters wrap their (still unquantized) targets now; ``sanitize``
+        # renames the base tensors under them, and mlx-lm quantizes and loads
+        # the whole tree strictly as usual.
+        self.edge0_adapters = None
+        if args.options.lora and has_adapters(args.checkpoint_dir):
+            self.edge0_adapters = read_adapters(args.checkpoint_dir, k=consumer_k(self))
+            config = self.edge0_adapters.config
+            attach(self, config.targets, config.rank, config.alpha)
 
     def make_cache(self) -> list:
         """The stock caches, plus (with the prerouter on) one ``ArraysCache``
@@ -87,8 +99,11 @@ class Edge0Model:
         return out
 
     def sanitize(self, weights: dict) -> dict:
-        """Stock sanitize, then the compute-dtype cast (fp32 on CPU by default)."""
+        """Stock sanitize, the adapters' tensors (when loaded), then the
+        compute-dtype cast (fp32 on CPU by default)."""
         weights = super().sanitize(weights)
+        if self.edge0_adapters is not None:
+            weights = self.edge0_adapters.with_weights(weights)
         dtype = self.edge0_runtime.compute_dtype
         if dtype is None:
             return weights

@@ -67,6 +67,9 @@ class Options:
             0 = the K the checkpoint's heads were made for (the native K
             without heads). Heads must match it (``edge0 heads init --k K``):
             swapping K is swapping files.
+        lora: apply the checkpoint's recovery LoRA adapters
+            (``adapters.safetensors``) when it has them, unmerged; False =
+            the int4 base alone.
     """
 
     compute_dtype: str = "auto"
@@ -79,6 +82,7 @@ class Options:
     page_cache: str = "keep"
     prerouter: bool = True
     k: int = 0
+    lora: bool = True
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:

@@ -10,8 +10,9 @@ transients do not pile up).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -76,6 +77,9 @@ class StreamingRuntime:
         self.first_layer = layers[0]
         self.heads = heads
         self.prerouting = Prerouting(self, self.heads, consumer_of) if consumer_of else None
+        # Set inside ``training_forward``: the whole-sequence training forward
+        # (mlx_edge0.train.student) that routes and computes every MoE call.
+        self.training_path = None
         mx.set_cache_limit(self.loader.layer_bytes)
 
     def attach(self, blocks: dict[int, "StreamingMoE"]) -> None:
@@ -83,8 +87,20 @@ class StreamingRuntime:
         if self.prerouting is not None:
             self.prerouting.blocks = dict(blocks)
 
+    @contextmanager
+    def training_forward(self, path) -> Iterator:
+        """Hand every MoE call of the forwards run inside to ``path``
+        (``path.routed_experts(block, x)``) instead of the serving paths."""
+        self.training_path = path
+        try:
+            yield path
+        finally:
+            self.training_path = None
+
     def routed_experts(self, block: "StreamingMoE", x: mx.array):
         """Route one MoE call and compute its experts: (inds, scores, [B, L, K, D])."""
+        if self.training_path is not None:
+            return self.training_path.routed_experts(block, x)
         layer = block.layer
         path = self.path_for(layer, x)
         planned = self.prerouting.take(layer) if self.prerouting else None

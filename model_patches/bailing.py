@@ -15,6 +15,9 @@ from ..model import Edge0Model
 from ..routing import group_select, sigmoid_group
 from ..streaming import StreamingMoE, dense_weight
 
+SHARED_EXPERTS = {f"mlp.shared_experts.{p}": "shared_expert" for p in ("gate_proj", "up_proj", "down_proj")}
+DENSE_MLP = {f"mlp.{p}": "dense_mlp" for p in ("gate_proj", "up_proj", "down_proj")}
+
 
 class BailingMoeStreamingBlock(StreamingMoE):
     """Replaces ``BailingMoeSparseMoeBlock``; keeps gate and shared experts."""
@@ -72,8 +75,21 @@ class BailingMoeV3StreamingBlock(StreamingMoE):
 class BailingMoeModel(Edge0Model, bailing_moe.Model):
     stock_block = bailing_moe.BailingMoeSparseMoeBlock
     streaming_block = BailingMoeStreamingBlock
+    lora_targets = {
+        "attention.query_key_value": "attention", "attention.dense": "attention",
+        **SHARED_EXPERTS, **DENSE_MLP,
+    }  # fmt: skip
 
 
 class BailingMoeV3Model(Edge0Model, bailing_moe_v3.Model):
     stock_block = bailing_moe_v3.BailingSparseMoE
     streaming_block = BailingMoeV3StreamingBlock
+    # MLA layers (q_a/q_b/kv_a, dense) and KDA linear-attention layers (q/k/v,
+    # f/b gates, o) share the ``attention`` name; g_proj exists in both.
+    lora_targets = {
+        **{f"attention.{p}": "attention"
+           for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "g_proj", "dense")},
+        **{f"attention.{p}": "linear_attention"
+           for p in ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "o_proj")},
+        **SHARED_EXPERTS, **DENSE_MLP,
+    }  # fmt: skip

@@ -13,6 +13,9 @@ from mlx_lm.models import qwen3_5_moe, qwen3_next
 from ..model import Edge0Model
 from ..routing import softmax_topk
 from ..streaming import StreamingMoE, dense_weight
+from .qwen3_moe import ATTENTION, DENSE_MLP
+
+SHARED_EXPERT = {f"mlp.shared_expert.{p}": "shared_expert" for p in ("gate_proj", "up_proj", "down_proj")}
 
 
 class Qwen3NextStreamingBlock(StreamingMoE):
@@ -43,8 +46,17 @@ class Qwen3NextStreamingBlock(StreamingMoE):
 class Qwen3NextModel(Edge0Model, qwen3_next.Model):
     stock_block = qwen3_next.Qwen3NextSparseMoeBlock
     streaming_block = Qwen3NextStreamingBlock
+    lora_targets = {
+        **ATTENTION, **SHARED_EXPERT, **DENSE_MLP,
+        **{f"linear_attn.{p}": "linear_attention" for p in ("in_proj_qkvz", "in_proj_ba", "out_proj")},
+    }  # fmt: skip
 
 
 class Qwen3_5MoeModel(Edge0Model, qwen3_5_moe.Model):
     stock_block = qwen3_next.Qwen3NextSparseMoeBlock
     streaming_block = Qwen3NextStreamingBlock
+    lora_targets = {
+        **ATTENTION, **SHARED_EXPERT,
+        **{f"linear_attn.{p}": "linear_attention"
+           for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")},
+    }  # fmt: skip
