@@ -203,3 +203,38 @@ def heads_init(checkpoint: Path, seed: int, k: int) -> None:
     path = save_heads(checkpoint, heads, spec)
     click.echo(f"wrote {path}: {len(spec.owners)} heads, owners {list(spec.owners)} -> "
                f"consumers {list(spec.consumers)}, K={spec.k}")
+
+
+@main.command("eval")
+@click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--teacher", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="The fp teacher (mlx-lm checkpoint dir, same tokenizer).")
+@click.option("--sft", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Dir with Phase-2 adapters (e.g. the `train sft --out` dir).")
+@click.option("--distill", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Dir with Phase-3 adapters (e.g. the `train distill --out` dir).")
+@click.option("--seq-len", default=128, show_default=True)
+@click.option("--windows", default=32, show_default=True, help="Held-out windows scored.")
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--max-files", default=0, show_default=True, help="Held-out files read (0 = all).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the result here.")
+def eval_command(checkpoint: Path, teacher: Optional[Path], sft: Optional[Path], distill: Optional[Path],
+                 seq_len: int, windows: int, batch_size: int, max_files: int,
+                 json_path: Optional[Path]) -> None:
+    """Held-out perplexity: fp teacher, int4 exact, warm-start and trained heads,
+    each LoRA; head recall vs the free baseline; merge-and-requantize survival."""
+    from .checkpoint import CheckpointError
+    from .evaluate import EvalOptions, evaluate, format_table, write_result
+    from .tensorfile import TensorFileError
+
+    adapters = {name: d for name, d in (("SFT LoRA", sft), ("distill LoRA", distill)) if d is not None}
+    try:
+        result = evaluate(checkpoint, teacher, adapters, EvalOptions(seq_len, windows, batch_size, max_files),
+                          log=lambda m: click.echo(m, err=True))
+    except (CheckpointError, TensorFileError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if json_path is not None:
+        write_result(result, json_path)
+    click.echo(format_table(result))
+
