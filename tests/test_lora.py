@@ -163,3 +163,23 @@ def test_bad_adapter_files_fail_clearly(with_adapters, case):
         describe(path)
     if case[0] != "truncated":  # --no-lora never reads them
         assert not lora.lora_modules(load_model(path, cache_gib=0, lora=False))
+
+
+def test_generate_no_lora_flag(with_adapters):
+    from click.testing import CliRunner
+
+    from mlx_edge0.cli import main
+
+    path, _, _ = with_adapters("qwen3_moe")
+
+    def text(*flags):
+        result = CliRunner().invoke(main, ["generate", "--model", str(path), "-m", "12", "--cache-gib", "0",
+                                           *flags], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    with_lora, without = text(), text("--no-lora")
+    assert with_lora != without
+    for name in (ADAPTERS_FILE, ADAPTER_CONFIG_FILE):
+        (path / name).unlink()
+    assert text() == without
