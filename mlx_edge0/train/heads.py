@@ -55,7 +55,8 @@ class HeadFeatures:
 
 
 def head_features(student: StudentPath, tokens: mx.array, consumer_of: dict[int, int]) -> dict[int, HeadFeatures]:
-    """Exact-routing features of every head for ``tokens`` [B, T] (no gradient)."""
+    """Exact-routing features of every head for ``tokens`` [B, T], evaluated
+    (computed outside the gradient: constants of the heads' loss)."""
     student(tokens, record=True)
     trace, E = student.trace, student.num_experts
     features = {}
@@ -65,8 +66,8 @@ def head_features(student: StudentPath, tokens: mx.array, consumer_of: dict[int,
             trace[owner].x[:, :-1], onehots[:, :-1], shift_right(onehots)[:, :-1],
             trace[consumer].gate_logits[:, 1:],
         )
-    mx.eval(features)
-    return {o: HeadFeatures(*(mx.stop_gradient(a) for a in vars(f).values())) for o, f in features.items()}
+    mx.eval([vars(f) for f in features.values()])
+    return features
 
 
 def head_losses(head: PrerouterHead, f: HeadFeatures) -> tuple[mx.array, mx.array, mx.array]:
