@@ -12,14 +12,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from mlx_edge0.bench.commands import bench
-from mlx_edge0.bench.runner import (
-    BenchOptions,
-    RunSpec,
-    markdown_table,
-    run_bench,
-    run_child,
-)
+from mlx_edge0.bench.measure import RunSpec
+from mlx_edge0.bench.runner import BenchOptions, run_bench, run_child
 from mlx_edge0.bench.synth import SynthOptions, plan_shards, synth_checkpoint
+from mlx_edge0.bench.tables import markdown_table
 
 # Widths shrunk so every family loads and runs in about a second; layer counts
 # cover both attention kinds of the hybrids.

@@ -1,16 +1,20 @@
-"""``edge0 bench``: synthetic checkpoints and stock-vs-edge0 timings."""
+"""``edge0 bench``: synthetic checkpoints, stock-vs-edge0 timings, the full suite."""
 
 from __future__ import annotations
 
-import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import click
 
-from .runner import ARMS, CACHES, DTYPES, BenchOptions, markdown_table, parse_arm, run_bench
+from .measure import ARMS, BUDGET_ARMS, DTYPES, parse_arm
+from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
+from .report import write_report
+from .suite import PHASES, SuiteOptions, command_line, load_suite, quick as quick_options, run_suite
+from .tables import markdown_table
 
 
 def _csv(allowed: tuple[str, ...]):
@@ -81,8 +85,9 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
               help=f"Comma list of {', '.join(ARMS)}; hot/staged take a budget as ARM@GiB.")
 @click.option("--cache-gib", "budgets", default="", callback=_budgets,
               help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.")
-@click.option("--cache", "caches", default=",".join(CACHES), show_default=True,
-              callback=_csv(CACHES), help="Page-cache state before each run.")
+@click.option("--cache", "caches", default="cold,warm", show_default=True, callback=_csv(CACHES),
+              help="Page-cache states: cold, warm, pressure (pages dropped before every decode step).")
+@click.option("--warm-prefill", is_flag=True, help="Also time a second request in each process.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
               help="Compute dtype of both arms.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed.")
@@ -94,7 +99,7 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
     expanded = []
     for arm in arms:
-        if budgets and "@" not in arm and arm in ("edge0-hot", "edge0-staged", "edge0-prerouter"):
+        if budgets and "@" not in arm and arm in BUDGET_ARMS:
             expanded += [f"{arm}@{b:g}" for b in budgets]
         else:
             expanded.append(arm)
@@ -102,9 +107,72 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
         options = BenchOptions(out=out, arms=tuple(expanded), **kwargs)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    results = run_bench(options, command=[shlex.quote(a) for a in sys.argv])
+    results = run_bench(options, command=command_line())
     click.echo(markdown_table(results["summary"]))
     click.echo(f"\nResults: {out}")
     summary = results["summary"]["arms"].values()
     if any(e["ok"] == 0 for e in summary):
         sys.exit(1)
+
+
+@bench.command("suite")
+@click.option("--geometry", required=True, type=click.Choice(sorted(geometries())))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Results directory [default: benchmarks/results/GEOMETRY[-LN]].")
+@click.option("--data", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("~/.cache/mlx-edge0/bench").expanduser(), show_default=True,
+              help="Where the synthetic and converted checkpoints are made or reused.")
+@click.option("--layers", type=click.IntRange(min=1), help="Keep only N decoder layers.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--cache-gib", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="Hot-cache budget of the hot, staged and prerouter arms outside the sweep.")
+@click.option("--budgets", default="0,0.25,0.5,1,2", show_default=True, callback=_budgets,
+              help="The sweep's budgets (GiB).")
+@click.option("--sweep-arms", default="edge0-hot,edge0-prerouter", show_default=True,
+              callback=_csv(BUDGET_ARMS))
+@click.option("--low-k", type=click.IntRange(min=0), default=4, show_default=True,
+              help="The lower K (heads are written for it); 0 skips the low-K phases.")
+@click.option("--arms", default=",".join(ARMS), show_default=True, callback=_csv(ARMS),
+              help="Arms of the main phase (other phases take the edge0 ones among them).")
+@click.option("--cache", "caches", default="cold,warm", show_default=True, callback=_csv(("cold", "warm")),
+              help="Page-cache states of the main and low-K phases.")
+@click.option("--phases", default=",".join(PHASES), show_default=True, callback=_csv(PHASES))
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
+              help="Seconds before a run is killed and recorded as failed.")
+@click.option("--quick", is_flag=True,
+              help="Minutes: few layers, 8-token prompt, 4 decode tokens, one round, two budgets.")
+def suite(out: Optional[Path], quick: bool, **kwargs):
+    """Synthesize, convert, write heads for both K, run every phase, write the report.
+
+    Phases: main (every arm, native K, cold + warm), low-k (edge0 arms at --low-k),
+    sweep (budgets under memory pressure), low-k-pressure, profile. Rerunning with
+    the same options keeps finished runs.
+    """
+    name = kwargs["geometry"] + (f"-L{kwargs['layers']}" if kwargs["layers"] else "")
+    try:
+        options = SuiteOptions(out=out or Path("benchmarks/results") / name, **kwargs)
+        if quick:
+            options = quick_options(options)
+            if out is None:
+                options = replace(options, out=Path("benchmarks/results") / f"{options.name}-quick")
+        results = run_suite(options, command=command_line())
+    except (ValueError, FileExistsError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    md, html = write_report(results, options.out)
+    click.echo(md.read_text())
+    click.echo(f"Report: {html}\nSummary: {md}\nResults: {options.out / 'suite.json'}")
+
+
+@bench.command("report")
+@click.argument("results", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def report(results: Path):
+    """Render summary.md and report.html again from RESULTS/suite.json."""
+    try:
+        md, html = write_report(load_suite(results), results)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"Report: {html}\nSummary: {md}")

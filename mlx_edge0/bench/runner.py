@@ -1,16 +1,15 @@
 """Time stock mlx-lm against edge0 on the same model, each run in a fresh process.
 
-Every measurement runs in its own child (``python -m mlx_edge0.bench.runner``),
-so one arm's resident weights, page cache warmth from loading, allocator state
+Every measurement runs in its own child (:mod:`mlx_edge0.bench.measure`), so
+one arm's resident weights, page cache warmth from loading, allocator state
 and peak counters cannot leak into the next. The parent only prepares the page
-cache (dropped for ``cold``, pre-read for ``warm``), alternates arm order per
-round, and aggregates. A failing arm becomes a record with its stderr tail; the
-other arms still run.
+cache (dropped for ``cold`` and ``pressure``, pre-read for ``warm``), waits for
+enough free memory, rotates arm order per round, and aggregates. A failing arm
+becomes a record with its stderr tail; the other arms still run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -22,39 +21,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter")
-# Load options per edge0 arm. Staged uses the routing of the current step until
-# the prerouter provides predictions; hot and staged take a budget: ARM@GiB.
-ARM_OPTIONS = {
-    "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact", prerouter=False),
-    "edge0-hot": dict(staged=False, prefill="auto", prerouter=False),
-    "edge0-staged": dict(staged=True, prefill="auto", prerouter=False),
-    "edge0-prerouter": dict(staged=False, prefill="auto", prerouter=True),
-}
-ARM_LABELS = {"edge0-staged": "edge0-staged (current-step routing)"}
+from ..options import GIB, available_memory
+from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, parse_arm
 
-
-def parse_arm(arm: str) -> tuple[str, dict]:
-    """``edge0-hot@0.5`` -> ("edge0-hot", load options with cache_gib=0.5)."""
-    base, _, budget = arm.partition("@")
-    if base not in ARMS or (budget and base not in ("edge0-hot", "edge0-staged", "edge0-prerouter")):
-        raise ValueError(f"unknown arm {arm!r}: use {', '.join(ARMS)} (hot/staged may add @GiB)")
-    options = dict(ARM_OPTIONS.get(base, {}))
-    if budget:
-        try:
-            options["cache_gib"] = float(budget)
-        except ValueError:
-            raise ValueError(f"arm {arm!r}: budget {budget!r} is not a number of GiB") from None
-    return base, options
-CACHES = ("cold", "warm")
-DTYPES = ("float32", "bfloat16", "float16", "native")
-WARMUP_STEPS = 2
+CACHES = ("cold", "warm", "pressure")
 STDERR_TAIL = 4000
 READ_CHUNK = 16 << 20
+MEMORY_POLL_S = 15.0
+MEMORY_MARGIN = GIB // 2
+# Resident bytes per stored byte of a stock int4 checkpoint: fp32 widens the
+# bf16 scales and biases (measured 1.11 on qwen3.5-35b-a3b).
+STOCK_FP32_GROWTH = 1.12
 
 CACHE_NOTES = {
     "cold": "files dropped from the page cache (fsync + POSIX_FADV_DONTNEED) before start",
     "warm": "files read once before start",
+    "pressure": "cold start, and the checkpoint's pages dropped from the page cache before "
+    "every decode step (untimed): the page cache cannot help, as when the model does not fit",
 }
 
 
@@ -66,25 +49,36 @@ class BenchOptions:
         out: results JSON, rewritten after every run so partial results survive.
         stock: stock mlx-lm checkpoint (``edge0 bench synth`` output).
         edge0: the same model converted by ``edge0 convert``.
+        k: K on the prerouted layers of edge0 arms (0 = the heads' K); stock stays native.
+        warm_prefill: time a second request in each process (warm prefill).
+        profile: cProfile the decode steps (for where the time goes, not for speed).
         timeout_s: a child running longer is killed and recorded as failed.
+        memory_wait_s: how long to wait for the memory an arm needs before
+            recording it as skipped.
+        resume: keep the successful runs of an earlier ``out`` made with the
+            same options and run only the rest.
     """
 
     out: Path
     stock: Optional[Path] = None
     edge0: Optional[Path] = None
     arms: tuple[str, ...] = ("stock", "edge0-exact")
-    caches: tuple[str, ...] = CACHES
+    caches: tuple[str, ...] = ("cold", "warm")
     rounds: int = 3
     prompt_tokens: int = 32
     decode_tokens: int = 16
     dtype: str = "float32"
     seed: int = 0
     timeout_s: float = 3600.0
-    k: int = 0  # K on prerouted layers of edge0 arms (0 = native); stock stays native
+    k: int = 0
+    warm_prefill: bool = False
+    profile: bool = False
+    memory_wait_s: float = 900.0
+    resume: bool = False
 
     def __post_init__(self):
         if not self.arms:
-            raise ValueError(f"no arms; choose from {', '.join(ARMS)}")
+            raise ValueError("no arms given")
         for arm in self.arms:
             parse_arm(arm)
         unknown = [x for x in self.caches if x not in CACHES]
@@ -105,168 +99,20 @@ class BenchOptions:
     def arm_path(self, arm: str) -> Optional[Path]:
         return self.stock if parse_arm(arm)[0] == "stock" else self.edge0
 
+    def spec(self, arm: str, cache: str) -> RunSpec:
+        return RunSpec(
+            arm, self.arm_path(arm), self.prompt_tokens, self.decode_tokens, self.dtype, self.seed,
+            k=0 if arm == "stock" else self.k, warm_prefill=self.warm_prefill,
+            evict_between_steps=cache == "pressure", profile=self.profile,
+        )  # fmt: skip
 
-@dataclass(frozen=True)
-class RunSpec:
-    """What one child measures."""
-
-    arm: str
-    path: Path
-    prompt_tokens: int
-    decode_tokens: int
-    dtype: str
-    seed: int
-    k: int = 0
-
-    def argv(self) -> list[str]:
-        return [
-            sys.executable, "-m", "mlx_edge0.bench.runner",
-            "--arm", self.arm, "--path", str(self.path),
-            "--prompt-tokens", str(self.prompt_tokens),
-            "--decode-tokens", str(self.decode_tokens),
-            "--dtype", self.dtype, "--seed", str(self.seed), "--k", str(self.k),
-        ]  # fmt: skip
-
-
-# ---------------------------------------------------------------- child side
-
-
-def _load(arm: str, path: Path, dtype: str, k: int = 0):
-    import mlx.core as mx
-
-    base, options = parse_arm(arm)
-    if base == "stock":
-        from mlx_lm.utils import load_model
-
-        model, _ = load_model(path)
-        if dtype != "native":
-            model.set_dtype(getattr(mx, dtype))
-            mx.eval(model.parameters())
-        return model
-    from mlx_edge0 import load_model
-
-    model = load_model(path, compute_dtype=dtype, **options, **({"k": k} if k else {}))
-    mx.eval(model.parameters())
-    return model
-
-
-def _vocab_size(path: Path) -> int:
-    from mlx_edge0.checkpoint import read_config, text_config
-
-    return text_config(read_config(path))["vocab_size"]
-
-
-def _counters(model, reset: bool = False) -> Optional[dict]:
-    """Expert read counters of an edge0 model (None for stock), optionally reset."""
-    if not hasattr(model, "stats"):
-        return None
-    counters = dict(model.stats())
-    if reset:
-        model.reset_stats()
-    return counters
-
-
-def _peak_rss_bytes() -> int:
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def measure(spec: RunSpec) -> dict:
-    """Load, prefill a seeded random prompt, then greedy-decode; time each phase."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx_lm.models.cache import make_prompt_cache
-
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    model = _load(spec.arm, spec.path, spec.dtype, spec.k)
-    load_s = time.perf_counter() - start
-    active_after_load = mx.get_active_memory()
-    load_peak = mx.get_peak_memory()
-    mx.reset_peak_memory()
-
-    rng = np.random.default_rng(spec.seed)
-    prompt = mx.array(rng.integers(0, _vocab_size(spec.path), spec.prompt_tokens), mx.int32)
-    cache = make_prompt_cache(model)
-    _counters(model, reset=True)
-    start = time.perf_counter()
-    logits = model(prompt[None], cache=cache)[:, -1, :]
-    y = mx.argmax(logits, axis=-1)
-    mx.eval(y, logits)
-    prefill_s = time.perf_counter() - start
-    finite = bool(mx.all(mx.isfinite(logits)).item())
-    prefill_counters = _counters(model)
-    tokens = [y.item()]
-
-    def step(y: mx.array) -> mx.array:
-        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
-        mx.eval(y)
-        tokens.append(y.item())
-        return y
-
-    for _ in range(WARMUP_STEPS):
-        y = step(y)
-    _counters(model, reset=True)
-    steps = []
-    for _ in range(spec.decode_tokens):
-        start = time.perf_counter()
-        y = step(y)
-        steps.append(time.perf_counter() - start)
-    decode_counters = _counters(model)
-
-    decode_s = sum(steps)
-    record = {
-        "arm": spec.arm,
-        "ok": True,
-        "load_s": load_s,
-        "prefill_s": prefill_s,
-        "prefill_tok_s": spec.prompt_tokens / prefill_s,
-        "decode_s": decode_s,
-        "decode_tok_s": spec.decode_tokens / decode_s,
-        "decode_s_per_token": decode_s / spec.decode_tokens,
-        "decode_step_s": steps,
-        "active_memory_after_load": active_after_load,
-        "load_peak_memory": load_peak,
-        "generate_peak_memory": mx.get_peak_memory(),
-        "peak_memory": max(load_peak, mx.get_peak_memory()),
-        "peak_rss": _peak_rss_bytes(),
-        "logits_finite": finite,
-        "tokens": tokens,
-    }
-    if decode_counters is not None:
-        record["prefill_counters"] = prefill_counters
-        record["decode_counters"] = decode_counters
-        record["counters_per_token"] = {
-            k: v / spec.decode_tokens
-            for k, v in decode_counters.items()
-            if isinstance(v, (int, float))
-        }
-    return record
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """Child mode: measure one arm and print one JSON line."""
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--arm", required=True, help="an arm name, hot/staged optionally @GiB")
-    p.add_argument("--path", type=Path, required=True)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--k", type=int, default=0)
-    a = p.parse_args(argv)
-    spec = RunSpec(a.arm, a.path, a.prompt_tokens, a.decode_tokens, a.dtype, a.seed, a.k)
-    print(json.dumps(measure(spec)), flush=True)
-
-
-# --------------------------------------------------------------- parent side
+    def to_dict(self) -> dict:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
 
 
 def prepare_page_cache(root: Path, mode: str) -> str:
-    """Drop (``cold``) or pre-read (``warm``) every file under ``root``; says what was done."""
-    files = sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
+    """Drop (``cold``, ``pressure``) or pre-read (``warm``) every file under ``root``."""
+    files = checkpoint_files(root)
     if mode == "warm":
         buf = bytearray(READ_CHUNK)
         for path in files:
@@ -274,17 +120,37 @@ def prepare_page_cache(root: Path, mode: str) -> str:
                 while f.readinto(buf):
                     pass
         return CACHE_NOTES["warm"]
-    if not hasattr(os, "posix_fadvise"):
-        return "NOT dropped: this OS has no posix_fadvise; results are warm-ish"
     os.sync()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return CACHE_NOTES["cold"]
+    if not drop_page_cache(files, sync=True):
+        return "NOT dropped: this OS has no posix_fadvise; results are warm-ish"
+    return CACHE_NOTES[mode]
+
+
+def memory_needed(spec: RunSpec) -> int:
+    """Rough bytes an arm holds: a stock model is resident; edge0 holds its
+    resident file, one cast copy's growth and its hot budget."""
+    files = checkpoint_files(spec.path)
+    base, options = parse_arm(spec.arm)
+    if base == "stock":
+        stored = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
+        return int(stored * (STOCK_FP32_GROWTH if spec.dtype == "float32" else 1.0))
+    resident_file = Path(spec.path) / "model.safetensors"
+    if not resident_file.is_file():
+        return 0  # not an edge0 checkpoint: the child says so
+    return int(resident_file.stat().st_size * 1.5 + float(options.get("cache_gib", 0) or 0) * GIB)
+
+
+def wait_for_memory(need: int, limit_s: float, progress: Callable[[str], None]) -> tuple[bool, float]:
+    """Wait until ``need`` bytes (plus a margin) are available; (enough, seconds waited)."""
+    start = time.perf_counter()
+    while available_memory() < need + MEMORY_MARGIN:
+        waited = time.perf_counter() - start
+        if waited >= limit_s:
+            return False, waited
+        progress(f"[bench]   waiting for memory: need {need / GIB:.1f} GiB + margin, "
+                 f"available {available_memory() / GIB:.1f} GiB")
+        time.sleep(MEMORY_POLL_S)
+    return True, time.perf_counter() - start
 
 
 def _child_env() -> dict[str, str]:
@@ -315,14 +181,41 @@ def run_child(spec: RunSpec, timeout_s: float) -> dict:
     return {**json.loads(lines[-1]), "wall_s": wall_s}
 
 
+def run_metrics(r: dict) -> dict:
+    """Per-run figures derived from a child's record (edge0 counters where present)."""
+    m = {}
+    c = r.get("counters_per_token")
+    if c:
+        loads, hits, misses = c.get("expert_loads", 0), c.get("hot_hits", 0), c.get("hot_misses", 0)
+        staged = c.get("staged_kept", 0) + c.get("staged_copied", 0) + c.get("staged_read", 0)
+        m["exposed_wait_ms_per_step"] = c.get("exposed_wait_ms", 0.0)
+        m["loads_per_token"] = loads
+        m["bytes_per_token"] = c.get("bytes_read", 0)
+        if loads:
+            m["mib_per_load"] = c.get("bytes_read", 0) / loads / 2**20
+        if hits + misses:
+            m["hot_hit_rate"] = hits / (hits + misses)
+        if staged:
+            m["staged_hit_rate"] = (staged - c.get("staged_read", 0)) / staged
+    if r.get("decode_s_per_token"):
+        m["step_ms"] = r["decode_s_per_token"] * 1e3
+        m["step_other_ms"] = m["step_ms"] - m.get("exposed_wait_ms_per_step", 0.0)
+    return m
+
+
 SUMMARY_METRICS = (
-    "load_s", "prefill_tok_s", "decode_tok_s", "decode_s_per_token",
-    "active_memory_after_load", "peak_memory", "generate_peak_memory", "peak_rss", "wall_s",
+    "load_s", "prefill_tok_s", "ttft_s", "ttft_with_load_s", "warm_prefill_tok_s", "warm_ttft_s",
+    "decode_tok_s", "decode_s_per_token", "active_memory_after_load", "peak_memory",
+    "decode_peak_memory", "generate_peak_memory", "peak_rss", "wall_s",
 )  # fmt: skip
 
 
 def _stat(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _stats_of(records: list[dict], keys) -> dict:
+    return {k: _stat([r[k] for r in records]) for k in keys if records and all(k in r for r in records)}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -333,13 +226,12 @@ def summarize(runs: list[dict]) -> dict:
     arms = {}
     for (arm, cache), rs in groups.items():
         ok = [r for r in rs if r["ok"]]
-        entry = {"arm": arm, "cache": cache, "runs": len(rs), "ok": len(ok)}
-        for key in SUMMARY_METRICS:
-            if ok and all(key in r for r in ok):
-                entry[key] = _stat([r[key] for r in ok])
+        entry = {"arm": arm, "cache": cache, "runs": len(rs), "ok": len(ok), **_stats_of(ok, SUMMARY_METRICS)}
         counters = [r["counters_per_token"] for r in ok if "counters_per_token" in r]
         if counters:
-            entry["counters_per_token"] = {k: _stat([c[k] for c in counters]) for k in counters[0]}
+            entry["counters_per_token"] = _stats_of(counters, counters[0])
+        metrics = [run_metrics(r) for r in ok]
+        entry["metrics"] = _stats_of(metrics, metrics[0]) if metrics else {}
         failures = [r for r in rs if not r["ok"]]
         if failures:
             entry["last_error"] = failures[-1]["error"]
@@ -370,6 +262,7 @@ def machine_info() -> dict:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "mlx_edge0": mlx_edge0.__version__,
+        "mlx_edge0_path": str(Path(mlx_edge0.__file__).parent),  # which copy of the code ran
         "device": str(mx.default_device()),
     }
     if hasattr(os, "sched_getaffinity"):
@@ -385,7 +278,8 @@ def machine_info() -> dict:
     return info
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
+    """Write atomically (a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -397,6 +291,18 @@ def _stderr_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _earlier_runs(options: BenchOptions) -> dict[tuple, dict]:
+    """Successful runs of an earlier results file made with the same options."""
+    if not options.resume or not Path(options.out).is_file():
+        return {}
+    earlier = json.loads(Path(options.out).read_text())
+    now = json.loads(json.dumps(options.to_dict()))  # tuples as JSON has them
+    same = {k: v for k, v in earlier.get("options", {}).items() if k != "resume"}
+    if same != {k: v for k, v in now.items() if k != "resume"}:
+        return {}
+    return {(r["round"], r["cache"], r["arm"]): r for r in earlier.get("runs", []) if r["ok"]}
+
+
 def run_bench(
     options: BenchOptions,
     command: list[str],
@@ -406,86 +312,51 @@ def run_bench(
     results = {
         "machine": machine_info(),
         "command": command,
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
+        "options": options.to_dict(),
         "cache_notes": {c: CACHE_NOTES[c] for c in options.caches},
         "runs": [],
         "summary": {},
     }
+    earlier = _earlier_runs(options)
     arms = list(options.arms)
+    total, done = options.rounds * len(options.caches) * len(arms), 0
     for rnd in range(options.rounds):
         order = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
         for cache in options.caches:
             for position, arm in enumerate(order):
-                path = options.arm_path(arm)
-                note = prepare_page_cache(path, cache)
-                spec = RunSpec(
-                    arm, path, options.prompt_tokens, options.decode_tokens,
-                    options.dtype, options.seed, 0 if arm == "stock" else options.k,
-                )  # fmt: skip
-                progress(f"[bench] round {rnd + 1}/{options.rounds} {cache} {arm} ...")
-                record = run_child(spec, options.timeout_s)
-                record.update(round=rnd, cache=cache, cache_note=note, position=position)
-                progress(f"[bench]   {_one_line(record)}")
+                done += 1
+                label = f"[bench] {done}/{total} round {rnd + 1}/{options.rounds} {cache} {arm}"
+                if (rnd, cache, arm) in earlier:
+                    progress(f"{label}: kept from {options.out}")
+                    results["runs"].append(earlier[(rnd, cache, arm)])
+                    continue
+                spec = options.spec(arm, cache)
+                enough, waited = wait_for_memory(memory_needed(spec), options.memory_wait_s, progress)
+                note = prepare_page_cache(spec.path, cache)
+                progress(f"{label} ...")
+                if enough:
+                    record = run_child(spec, options.timeout_s)
+                else:
+                    record = {"arm": arm, "ok": False, "error": (
+                        f"skipped: needs about {memory_needed(spec) / GIB:.1f} GiB, "
+                        f"{available_memory() / GIB:.1f} GiB available after {waited:.0f} s")}
+                record.update(round=rnd, cache=cache, cache_note=note, position=position,
+                              memory_wait_s=waited)  # fmt: skip
+                progress(f"[bench]   {one_line(record)}")
                 results["runs"].append(record)
                 results["summary"] = summarize(results["runs"])
-                _write_json(options.out, results)
+                write_json(options.out, results)
+    results["summary"] = summarize(results["runs"])
+    write_json(options.out, results)
     return results
 
 
-def _one_line(r: dict) -> str:
+def one_line(r: dict) -> str:
     if not r["ok"]:
         return f"FAILED: {r['error']}\n{r.get('stderr_tail', '')}"
+    wait = r.get("counters_per_token", {}).get("exposed_wait_ms")
     return (
         f"load {r['load_s']:.2f} s, prefill {r['prefill_tok_s']:.2f} tok/s, "
-        f"decode {r['decode_tok_s']:.3f} tok/s, peak {r['peak_memory'] / 2**30:.2f} GiB"
+        f"decode {r['decode_tok_s']:.3f} tok/s, peak {r['peak_memory'] / GIB:.2f} GiB"
+        + (f", wait {wait:.1f} ms/step" if wait is not None else "")
     )
-
-
-def _fmt(stat: Optional[dict], scale: float = 1.0, digits: int = 2) -> str:
-    if stat is None:
-        return "-"
-    med, lo, hi = (stat[k] / scale for k in ("median", "min", "max"))
-    return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
-
-
-def _hit_rate(c: dict) -> str:
-    hits, misses = c.get("hot_hits"), c.get("hot_misses")
-    if not hits or hits["median"] + misses["median"] == 0:
-        return "-"
-    return f"{hits['median'] / (hits['median'] + misses['median']):.2f}"
-
-
-def markdown_table(summary: dict) -> str:
-    """Medians with (min–max) per arm and cache state."""
-    gib, mb = 2**30, 1e6
-    head = (
-        "| arm | cache | ok/runs | load s | prefill tok/s | decode tok/s | s/token "
-        "| active after load GiB | peak MLX GiB | peak RSS GiB | expert loads/token "
-        "| expert MB/token | exposed wait ms/token | hot hit rate |"
-    )
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for e in summary.get("arms", {}).values():
-        c = e.get("counters_per_token", {})
-        lines.append(
-            f"| {ARM_LABELS.get(e['arm'].split('@')[0], e['arm'].split('@')[0])}"
-            f"{'@' + e['arm'].split('@')[1] + ' GiB' if '@' in e['arm'] else ''} "
-            f"| {e['cache']} | {e['ok']}/{e['runs']} "
-            f"| {_fmt(e.get('load_s'))} | {_fmt(e.get('prefill_tok_s'))} "
-            f"| {_fmt(e.get('decode_tok_s'), digits=3)} | {_fmt(e.get('decode_s_per_token'), digits=3)} "
-            f"| {_fmt(e.get('active_memory_after_load'), gib)} | {_fmt(e.get('peak_memory'), gib)} "
-            f"| {_fmt(e.get('peak_rss'), gib)} | {_fmt(c.get('expert_loads'), digits=1)} "
-            f"| {_fmt(c.get('bytes_read'), mb, 1)} | {_fmt(c.get('exposed_wait_ms'), digits=1)} "
-            f"| {_hit_rate(c)} |"
-        )
-    agree = summary.get("greedy_tokens_agree", {})
-    if agree:
-        slots = ", ".join(f"{slot}: {'yes' if same else 'NO'}" for slot, same in agree.items())
-        lines.append(f"\nGreedy tokens agree across arms: {slots}")
-    failed = [e for e in summary.get("arms", {}).values() if "last_error" in e]
-    for e in failed:
-        lines.append(f"\n{e['arm']}/{e['cache']} failed: {e['last_error']} (stderr tail in JSON)")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    main()

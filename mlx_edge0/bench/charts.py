@@ -1,0 +1,172 @@
+"""Small inline SVG charts for the benchmark report (no plotting dependency).
+
+Three shapes cover the report: grouped horizontal bars with min–max whiskers,
+stacked horizontal bars, and line charts with whiskers. Every function returns
+one self-contained ``<svg>`` string; labels are escaped here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from html import escape
+from typing import Optional
+
+PALETTE = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979")
+FONT = 'font-family="system-ui, sans-serif" font-size="12"'
+LABEL_W, BAR_W, ROW_H, PAD, GROUP_GAP = 230, 420, 18, 12, 6
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One bar: ``series`` picks its colour; ``low``/``high`` draw a whisker."""
+
+    label: str
+    series: str
+    value: float
+    low: Optional[float] = None
+    high: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Point:
+    x: float
+    y: float
+    low: Optional[float] = None
+    high: Optional[float] = None
+
+
+def nice_ticks(top: float, count: int = 5) -> list[float]:
+    """Round tick values from 0 to at least ``top``."""
+    if top <= 0 or not math.isfinite(top):
+        return [0.0, 1.0]
+    raw = top / count
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    return [round(i * step, 12) for i in range(int(math.ceil(top / step - 1e-9)) + 1)]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def _legend(series: list[str], x: float, y: float) -> list[str]:
+    out = []
+    for i, name in enumerate(series):
+        cx = x + i * 150
+        out.append(f'<rect x="{cx}" y="{y - 9}" width="10" height="10" fill="{PALETTE[i % len(PALETTE)]}"/>')
+        out.append(f'<text x="{cx + 14}" y="{y}" {FONT}>{escape(name)}</text>')
+    return out
+
+
+def _svg(width: float, height: float, title: str, body: list[str]) -> str:
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="{escape(title)}">')
+    heading = f'<text x="{PAD}" y="16" {FONT} font-weight="bold">{escape(title)}</text>'
+    return "\n".join([head, heading, *body, "</svg>"])
+
+
+def hbar_chart(bars: list[Bar], title: str, unit: str) -> str:
+    """Horizontal bars, one row per bar, coloured by series, with min–max whiskers."""
+    series = list(dict.fromkeys(b.series for b in bars))
+    top = max([b.high if b.high is not None else b.value for b in bars] or [1.0])
+    ticks = nice_ticks(top)
+    scale = BAR_W / ticks[-1]
+    x0, y = LABEL_W, 48 - ROW_H
+    body = _legend(series, x0, 32) if len(series) > 1 else []
+    for i, b in enumerate(bars):
+        first = i == 0 or bars[i - 1].label != b.label  # a group's label is written once
+        y += ROW_H + (GROUP_GAP if first and i else 0)
+        color = PALETTE[series.index(b.series) % len(PALETTE)]
+        if first:
+            body.append(f'<text x="{x0 - 6}" y="{y + 12}" {FONT} text-anchor="end">{escape(b.label)}</text>')
+        body.append(f'<rect x="{x0}" y="{y + 2}" width="{max(b.value, 0) * scale:.1f}" height="{ROW_H - 5}" '
+                    f'fill="{color}"><title>{escape(b.label)}: {_fmt(b.value)} {escape(unit)}</title></rect>')
+        if b.low is not None and b.high is not None:
+            lo, hi, mid = x0 + b.low * scale, x0 + b.high * scale, y + ROW_H / 2
+            body.append(f'<path d="M{lo:.1f} {mid:.1f}H{hi:.1f}M{lo:.1f} {mid - 4:.1f}V{mid + 4:.1f}'
+                        f'M{hi:.1f} {mid - 4:.1f}V{mid + 4:.1f}" stroke="#222" fill="none"/>')
+        end = x0 + max(b.high if b.high is not None else b.value, b.value) * scale
+        body.append(f'<text x="{end + 4:.1f}" y="{y + 12}" {FONT} fill="#333">{_fmt(b.value)}</text>')
+    y_axis = y + ROW_H + 4
+    body += _x_axis(ticks, scale, x0, y_axis, unit)
+    return _svg(x0 + BAR_W + 80, y_axis + 36, title, body)
+
+
+def _x_axis(ticks: list[float], scale: float, x0: float, y: float, unit: str) -> list[str]:
+    out = [f'<path d="M{x0} {y}H{x0 + ticks[-1] * scale:.1f}" stroke="#888"/>']
+    for t in ticks:
+        x = x0 + t * scale
+        out.append(f'<path d="M{x:.1f} {y}V{y + 4}" stroke="#888"/>')
+        out.append(f'<text x="{x:.1f}" y="{y + 16}" {FONT} text-anchor="middle">{_fmt(t)}</text>')
+    out.append(f'<text x="{x0 + ticks[-1] * scale / 2:.1f}" y="{y + 30}" {FONT} '
+               f'text-anchor="middle">{escape(unit)}</text>')
+    return out
+
+
+def stacked_hbar_chart(rows: list[tuple[str, list[float]]], parts: list[str], title: str, unit: str) -> str:
+    """Horizontal bars split into ``parts`` (e.g. I/O wait + everything else)."""
+    top = max([sum(v) for _, v in rows] or [1.0])
+    ticks = nice_ticks(top)
+    scale = BAR_W / ticks[-1]
+    x0, y0 = LABEL_W, 48
+    body = _legend(parts, x0, 32)
+    for i, (label, values) in enumerate(rows):
+        y, x = y0 + i * ROW_H, x0
+        body.append(f'<text x="{x0 - 6}" y="{y + 12}" {FONT} text-anchor="end">{escape(label)}</text>')
+        for j, v in enumerate(values):
+            w = max(v, 0) * scale
+            body.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{ROW_H - 5}" '
+                        f'fill="{PALETTE[j % len(PALETTE)]}"><title>{escape(parts[j])}: {_fmt(v)} '
+                        f'{escape(unit)}</title></rect>')
+            x += w
+        body.append(f'<text x="{x + 4:.1f}" y="{y + 12}" {FONT} fill="#333">'
+                    + " + ".join(_fmt(v) for v in values) + "</text>")
+    y_axis = y0 + len(rows) * ROW_H + 4
+    body += _x_axis(ticks, scale, x0, y_axis, unit)
+    return _svg(x0 + BAR_W + 140, y_axis + 36, title, body)
+
+
+def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label: str) -> str:
+    """One line per series over numeric x, with min–max whiskers where given."""
+    points = [p for ps in series.values() for p in ps]
+    if not points:
+        return _svg(300, 40, title, [])
+    w, h, left, top_y = 440, 220, 60, 48
+    x_ticks = nice_ticks(max(p.x for p in points) or 1.0)
+    y_ticks = nice_ticks(max(p.high if p.high is not None else p.y for p in points))
+    sx, sy = w / x_ticks[-1], h / y_ticks[-1]
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return left + x * sx, top_y + h - y * sy
+
+    body = _legend(list(series), left, 32)
+    for t in y_ticks:
+        _, y = at(0, t)
+        body.append(f'<path d="M{left} {y:.1f}H{left + w}" stroke="#eee"/>')
+        body.append(f'<text x="{left - 6}" y="{y + 4:.1f}" {FONT} text-anchor="end">{_fmt(t)}</text>')
+    for t in x_ticks:
+        x, y = at(t, 0)
+        body.append(f'<path d="M{x:.1f} {y}V{y + 4}" stroke="#888"/>')
+        body.append(f'<text x="{x:.1f}" y="{y + 16}" {FONT} text-anchor="middle">{_fmt(t)}</text>')
+    body.append(f'<path d="M{left} {top_y}V{top_y + h}H{left + w}" stroke="#888" fill="none"/>')
+    body.append(f'<text x="{left + w / 2}" y="{top_y + h + 32}" {FONT} text-anchor="middle">'
+                f'{escape(x_label)}</text>')
+    body.append(f'<text x="14" y="{top_y + h / 2}" {FONT} text-anchor="middle" '
+                f'transform="rotate(-90 14 {top_y + h / 2})">{escape(y_label)}</text>')
+    for i, (name, ps) in enumerate(series.items()):
+        color = PALETTE[i % len(PALETTE)]
+        ps = sorted(ps, key=lambda p: p.x)
+        path = " ".join(f"{'M' if j == 0 else 'L'}{at(p.x, p.y)[0]:.1f} {at(p.x, p.y)[1]:.1f}"
+                        for j, p in enumerate(ps))
+        body.append(f'<path d="{path}" stroke="{color}" stroke-width="2" fill="none"/>')
+        for p in ps:
+            x, y = at(p.x, p.y)
+            body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}">'
+                        f'<title>{escape(name)} @ {_fmt(p.x)}: {_fmt(p.y)}</title></circle>')
+            if p.low is not None and p.high is not None:
+                _, lo = at(p.x, p.low)
+                _, hi = at(p.x, p.high)
+                body.append(f'<path d="M{x:.1f} {lo:.1f}V{hi:.1f}M{x - 3:.1f} {lo:.1f}H{x + 3:.1f}'
+                            f'M{x - 3:.1f} {hi:.1f}H{x + 3:.1f}" stroke="{color}" fill="none"/>')
+    return _svg(left + w + 30, top_y + h + 44, title, body)

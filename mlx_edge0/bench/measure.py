@@ -1,0 +1,296 @@
+"""One measurement in one fresh process: load an arm, prefill, decode, report.
+
+Run as ``python -m mlx_edge0.bench.measure --arm ARM --path CKPT ...``; prints
+one JSON line. The parent (:mod:`mlx_edge0.bench.runner`) owns the page cache
+before the start, arm order and aggregation; this side owns everything that
+happens inside the process, so one arm's weights, allocator state and peak
+counters never leak into the next.
+
+What one run does, in order: load; the *cold* request (prefill of a seeded
+random prompt and its first token, the first request after process start);
+two warm-up decode steps; the timed decode steps (per-step time and, for
+edge0, per-step counters); optionally a *warm* request (a second prompt of the
+same length, fresh KV cache, same process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter")
+BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter")
+# Load options per edge0 arm. Staged uses the routing of the current step;
+# hot, staged and prerouter take a hot-cache budget: ARM@GiB.
+ARM_OPTIONS = {
+    "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact", prerouter=False),
+    "edge0-hot": dict(staged=False, prefill="auto", prerouter=False),
+    "edge0-staged": dict(staged=True, prefill="auto", prerouter=False),
+    "edge0-prerouter": dict(staged=False, prefill="auto", prerouter=True),
+}
+DTYPES = ("float32", "bfloat16", "float16", "native")
+WARMUP_STEPS = 2
+PROFILE_TOP = 15
+# Counters kept per decode step (differences of the model's summed counters).
+STEP_COUNTERS = (
+    "exposed_wait_ms", "expert_loads", "bytes_read", "reads", "hot_hits", "hot_misses",
+    "staged_kept", "staged_copied", "staged_read", "prerouted",
+)  # fmt: skip
+
+
+def parse_arm(arm: str) -> tuple[str, dict]:
+    """``edge0-hot@0.5`` -> ("edge0-hot", load options with cache_gib=0.5)."""
+    base, _, budget = arm.partition("@")
+    if base not in ARMS or (budget and base not in BUDGET_ARMS):
+        raise ValueError(
+            f"unknown arm {arm!r}: use {', '.join(ARMS)} ({', '.join(BUDGET_ARMS)} may add @GiB)"
+        )
+    options = dict(ARM_OPTIONS.get(base, {}))
+    if budget:
+        try:
+            options["cache_gib"] = float(budget)
+        except ValueError:
+            raise ValueError(f"arm {arm!r}: budget {budget!r} is not a number of GiB") from None
+    return base, options
+
+
+def checkpoint_files(root: Path) -> list[Path]:
+    return sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def drop_page_cache(files: list[Path], sync: bool = False) -> bool:
+    """Ask the OS to drop ``files`` from the page cache; False where it cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if sync:
+                os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one child measures.
+
+    Attributes:
+        k: K on the prerouted layers of edge0 arms (0 = the heads' K); stock stays native.
+        warm_prefill: also time a second request in the same process.
+        evict_between_steps: drop the checkpoint's pages from the page cache
+            before every decode step (untimed): the page cache cannot help, as
+            when the checkpoint does not fit in memory.
+        profile: cProfile the decode steps (their times are then inflated).
+    """
+
+    arm: str
+    path: Path
+    prompt_tokens: int
+    decode_tokens: int
+    dtype: str
+    seed: int
+    k: int = 0
+    warm_prefill: bool = False
+    evict_between_steps: bool = False
+    profile: bool = False
+
+    def argv(self) -> list[str]:
+        flags = [
+            sys.executable, "-m", "mlx_edge0.bench.measure",
+            "--arm", self.arm, "--path", str(self.path),
+            "--prompt-tokens", str(self.prompt_tokens),
+            "--decode-tokens", str(self.decode_tokens),
+            "--dtype", self.dtype, "--seed", str(self.seed), "--k", str(self.k),
+        ]  # fmt: skip
+        for flag, on in (("--warm-prefill", self.warm_prefill),
+                         ("--evict-between-steps", self.evict_between_steps),
+                         ("--profile", self.profile)):  # fmt: skip
+            if on:
+                flags.append(flag)
+        return flags
+
+
+def _load(arm: str, path: Path, dtype: str, k: int = 0):
+    import mlx.core as mx
+
+    base, options = parse_arm(arm)
+    if base == "stock":
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(path)
+        if dtype != "native":
+            model.set_dtype(getattr(mx, dtype))
+            mx.eval(model.parameters())
+        return model
+    from mlx_edge0 import load_model
+
+    model = load_model(path, compute_dtype=dtype, **options, **({"k": k} if k else {}))
+    mx.eval(model.parameters())
+    return model
+
+
+def _vocab_size(path: Path) -> int:
+    from mlx_edge0.checkpoint import read_config, text_config
+
+    return text_config(read_config(path))["vocab_size"]
+
+
+def _counters(model) -> Optional[dict]:
+    """Numeric summed counters of an edge0 model (None for stock)."""
+    if not hasattr(model, "stats"):
+        return None
+    return {
+        k: v for k, v in model.stats().items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "peak_memory"
+    }  # fmt: skip
+
+
+def _reset_counters(model) -> None:
+    if hasattr(model, "reset_stats"):
+        model.reset_stats()
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _profile_top(profile: cProfile.Profile, tokens: int) -> list[dict]:
+    """The functions with the most own time, in ms per decoded token."""
+    rows = []
+    for (file, line, func), (_, calls, own, total, _) in pstats.Stats(profile).stats.items():
+        where = func if file == "~" else f"{Path(file).name}:{line}({func})"
+        rows.append({"function": where, "calls_per_token": calls / tokens,
+                     "own_ms_per_token": own * 1e3 / tokens, "total_ms_per_token": total * 1e3 / tokens})
+    return sorted(rows, key=lambda r: -r["own_ms_per_token"])[:PROFILE_TOP]
+
+
+def measure(spec: RunSpec) -> dict:
+    """Load, cold request, warm-up, timed decode, optional warm request."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_edge0.options import available_memory
+
+    record = {"arm": spec.arm, "ok": True, "available_memory_at_start": available_memory(),
+              "loadavg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    model = _load(spec.arm, spec.path, spec.dtype, spec.k)
+    record["load_s"] = time.perf_counter() - start
+    record["active_memory_after_load"] = mx.get_active_memory()
+    record["load_peak_memory"] = mx.get_peak_memory()
+    vocab = _vocab_size(spec.path)
+
+    def request(seed: int) -> tuple[float, mx.array, list, bool]:
+        """Prefill a seeded random prompt; time until its first token."""
+        rng = np.random.default_rng(seed)
+        prompt = mx.array(rng.integers(0, vocab, spec.prompt_tokens), mx.int32)
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        logits = model(prompt[None], cache=cache)[:, -1, :]
+        y = mx.argmax(logits, axis=-1)
+        mx.eval(y, logits)
+        return time.perf_counter() - t0, y, cache, bool(mx.all(mx.isfinite(logits)).item())
+
+    mx.reset_peak_memory()
+    _reset_counters(model)
+    prefill_s, y, cache, record["logits_finite"] = request(spec.seed)
+    record.update(prefill_s=prefill_s, prefill_tok_s=spec.prompt_tokens / prefill_s,
+                  ttft_s=prefill_s, ttft_with_load_s=record["load_s"] + prefill_s)
+    record["prefill_counters"] = _counters(model)
+    tokens = [y.item()]
+
+    def step(y: mx.array) -> mx.array:
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        tokens.append(y.item())
+        return y
+
+    for _ in range(WARMUP_STEPS):
+        y = step(y)
+    record["prefill_peak_memory"] = mx.get_peak_memory()
+
+    evict = checkpoint_files(spec.path) if spec.evict_between_steps else []
+    profile = cProfile.Profile() if spec.profile else None
+    _reset_counters(model)  # also resets MLX's peak: the decode peak is decode's alone
+    mx.reset_peak_memory()
+    steps, per_step, before = [], [], _counters(model)
+    for _ in range(spec.decode_tokens):
+        if evict:
+            drop_page_cache(evict)
+        if profile:
+            profile.enable()
+        t0 = time.perf_counter()
+        y = step(y)
+        steps.append(time.perf_counter() - t0)
+        if profile:
+            profile.disable()
+        after = _counters(model)
+        if after is not None:
+            per_step.append({k: after.get(k, 0) - before.get(k, 0) for k in STEP_COUNTERS})
+        before = after
+    record["decode_peak_memory"] = mx.get_peak_memory()
+    decode_counters = _counters(model)
+
+    decode_s = sum(steps)
+    record.update(
+        decode_s=decode_s, decode_tok_s=spec.decode_tokens / decode_s,
+        decode_s_per_token=decode_s / spec.decode_tokens, decode_step_s=steps,
+        evicted_between_steps=bool(evict), profiled=bool(profile),
+    )  # fmt: skip
+    if profile:
+        record["profile_top"] = _profile_top(profile, spec.decode_tokens)
+    if decode_counters is not None:
+        record["resident_bytes"] = model.stats()["resident_bytes"]
+        record["decode_counters"] = decode_counters
+        record["decode_step_counters"] = per_step
+        record["counters_per_token"] = {k: v / spec.decode_tokens for k, v in decode_counters.items()}
+    if spec.warm_prefill:
+        mx.reset_peak_memory()
+        warm_s, _, cache, _ = request(spec.seed + 1)
+        record.update(warm_prefill_s=warm_s, warm_prefill_tok_s=spec.prompt_tokens / warm_s,
+                      warm_ttft_s=warm_s, warm_prefill_peak_memory=mx.get_peak_memory())
+    peaks = ("load_peak_memory", "prefill_peak_memory", "decode_peak_memory", "warm_prefill_peak_memory")
+    record["generate_peak_memory"] = max(record.get(k, 0) for k in peaks[1:])
+    record["peak_memory"] = max(record.get(k, 0) for k in peaks)
+    record["peak_rss"] = _peak_rss_bytes()
+    record["tokens"] = tokens
+    return record
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Child mode: measure one arm and print one JSON line."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--arm", required=True, help="an arm name; hot/staged/prerouter may add @GiB")
+    p.add_argument("--path", type=Path, required=True)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=0)
+    p.add_argument("--warm-prefill", action="store_true")
+    p.add_argument("--evict-between-steps", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args(argv)
+    spec = RunSpec(a.arm, a.path, a.prompt_tokens, a.decode_tokens, a.dtype, a.seed, a.k,
+                   a.warm_prefill, a.evict_between_steps, a.profile)  # fmt: skip
+    print(json.dumps(measure(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""``edge0 bench suite``: every arm, both K, three page-cache regimes, a budget sweep.
+
+One command goes from a geometry name to a report: synthesize the stock
+checkpoint (or reuse it), convert it, write prerouter heads for the native K
+and for a lower K (swapping heads files is swapping K), then run the phases
+below with :func:`mlx_edge0.bench.runner.run_bench` (each run a fresh process,
+arm order rotated per round) and render the report.
+
+Phases (``PHASES``):
+- ``main``: every arm at the native K, cold and warm page cache, with a warm
+  second request per process.
+- ``low-k``: the edge0 arms at the lower K (stock cannot change K; its ``main``
+  numbers are the reference), cold and warm.
+- ``sweep``: exact, and the sweep arms at every budget, native K, under
+  memory pressure (pages dropped before every decode step).
+- ``low-k-pressure``: exact, hot and prerouter at the lower K under pressure.
+- ``profile``: one cProfiled warm run of exact and prerouter: where a step's
+  time goes.
+
+Each phase's results file is rewritten after every run and kept when the suite
+is run again with the same options, so an interrupted suite resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..checkpoint import read_config, text_config
+from .measure import ARMS, BUDGET_ARMS, DTYPES, checkpoint_files
+from .runner import BenchOptions, machine_info, run_bench, write_json
+from .synth import SynthOptions, source_config, synth_checkpoint
+
+PHASES = ("main", "low-k", "sweep", "low-k-pressure", "profile")
+PRESSURE_ARMS = ("edge0-exact", "edge0-hot", "edge0-prerouter")
+PROFILE_ARMS = ("edge0-exact", "edge0-prerouter")
+HEADS_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class SuiteOptions:
+    """What one suite runs.
+
+    Attributes:
+        geometry: a name in ``geometries.json``.
+        out: results directory (phase JSON, suite.json, report.html, summary.md).
+        data: where the checkpoints live (``GEOMETRY[-LN]-stock`` and ``-edge0``).
+        layers: keep only this many decoder layers (per-layer shapes unchanged).
+        cache_gib: hot-cache budget of the hot, staged and prerouter arms
+            outside the sweep.
+        budgets: the sweep's budgets (GiB).
+        low_k: the lower K (heads are made for it); 0 skips the low-K phases.
+        arms: the arms of ``main`` (the other phases take the edge0 ones among them).
+        synth_overrides: text-config fields to change when synthesizing (tests).
+    """
+
+    geometry: str
+    out: Path
+    data: Path
+    layers: Optional[int] = None
+    rounds: int = 3
+    prompt_tokens: int = 32
+    decode_tokens: int = 32
+    cache_gib: float = 0.5
+    budgets: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
+    sweep_arms: tuple[str, ...] = ("edge0-hot", "edge0-prerouter")
+    low_k: int = 4
+    arms: tuple[str, ...] = ARMS
+    caches: tuple[str, ...] = ("cold", "warm")
+    phases: tuple[str, ...] = PHASES
+    dtype: str = "float32"
+    seed: int = 0
+    timeout_s: float = 3600.0
+    memory_wait_s: float = 900.0
+    synth_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        SynthOptions(self.geometry, layers=self.layers, seed=self.seed)  # validates both
+        unknown = [p for p in self.phases if p not in PHASES]
+        if unknown or not self.phases:
+            raise ValueError(f"unknown or no phase(s) {unknown}; choose from {', '.join(PHASES)}")
+        bad = [a for a in self.arms + self.sweep_arms if a not in ARMS]
+        if bad:
+            raise ValueError(f"unknown arm(s) {bad} (give arms without @GiB); choose from {', '.join(ARMS)}")
+        if any(a not in BUDGET_ARMS for a in self.sweep_arms):
+            raise ValueError(f"sweep arms take a budget: choose from {', '.join(BUDGET_ARMS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if min(self.rounds, self.prompt_tokens, self.decode_tokens) < 1:
+            raise ValueError("rounds, prompt tokens and decode tokens must be at least 1")
+        if self.cache_gib < 0 or any(b < 0 for b in self.budgets) or self.low_k < 0:
+            raise ValueError("budgets and K must not be negative")
+
+    @property
+    def name(self) -> str:
+        return self.geometry + (f"-L{self.layers}" if self.layers else "")
+
+    @property
+    def stock_dir(self) -> Path:
+        return Path(self.data) / f"{self.name}-stock"
+
+    @property
+    def edge0_dir(self) -> Path:
+        return Path(self.data) / f"{self.name}-edge0"
+
+
+def quick(options: SuiteOptions) -> SuiteOptions:
+    """Minutes instead of hours: few layers, tokens and budgets, one round."""
+    text = text_config(source_config(SynthOptions(options.geometry)))
+    layers = max(3, text.get("full_attention_interval") or 0)
+    return replace(options, layers=options.layers or layers, rounds=1, prompt_tokens=8,
+                   decode_tokens=4, budgets=(0.0, 0.25), cache_gib=0.25)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One ``run_bench`` call of the suite."""
+
+    name: str
+    title: str
+    k: int  # 0 = native
+    arms: tuple[str, ...]
+    caches: tuple[str, ...]
+    rounds: int
+    warm_prefill: bool = False
+    profile: bool = False
+
+
+def plan_phases(o: SuiteOptions, native_k: int) -> list[Phase]:
+    """The phases ``o`` asks for, in run order (native-K phases first: one heads swap)."""
+    def at(arm: str, gib: float) -> str:
+        return f"{arm}@{gib:g}" if arm in BUDGET_ARMS else arm
+
+    edge0 = tuple(a for a in o.arms if a != "stock")
+    low_k = o.low_k if 0 < o.low_k < native_k else 0
+    pressure = tuple(at(a, o.cache_gib) for a in PRESSURE_ARMS if a in edge0)
+    sweep = tuple(["edge0-exact"] if "edge0-exact" in edge0 else []) + tuple(
+        at(a, b) for a in o.sweep_arms for b in o.budgets
+    )
+    plan = {
+        "main": Phase("main", f"All arms, K={native_k} (native)", 0,
+                      tuple(at(a, o.cache_gib) for a in o.arms), o.caches, o.rounds, warm_prefill=True),
+        "sweep": Phase("sweep", f"Budget sweep under memory pressure, K={native_k}", 0, sweep,
+                       ("pressure",), o.rounds),
+        "profile": Phase("profile", f"Where a decode step's time goes (cProfile, warm, K={native_k})", 0,
+                         tuple(at(a, o.cache_gib) for a in PROFILE_ARMS if a in edge0), ("warm",), 1,
+                         profile=True),
+        "low-k": Phase("low-k", f"Edge0 arms at K={low_k} (heads-file swap)", low_k,
+                       tuple(at(a, o.cache_gib) for a in edge0), o.caches, o.rounds, warm_prefill=True),
+        "low-k-pressure": Phase("low-k-pressure", f"On-demand vs prerouter at K={low_k} under memory pressure",
+                                low_k, pressure, ("pressure",), o.rounds),
+    }  # fmt: skip
+    order = ("main", "sweep", "profile") + (("low-k", "low-k-pressure") if low_k else ())
+    return [plan[name] for name in order if name in o.phases and plan[name].arms]
+
+
+def _stderr_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _synthetic_origin(path: Path) -> dict:
+    return read_config(path).get("edge0_synthetic", {})
+
+
+def prepare_checkpoints(o: SuiteOptions, progress: Callable[[str], None]) -> dict:
+    """Synthesize and convert unless a matching checkpoint is already there."""
+    from ..conversions import ConvertOptions, convert
+
+    expected = {"geometry": o.geometry, "seed": o.seed,
+                "layers": text_config(source_config(SynthOptions(o.geometry, layers=o.layers)))["num_hidden_layers"]}
+    stock, edge0 = o.stock_dir, o.edge0_dir
+    for path in (stock, edge0):
+        if (path / "config.json").is_file() and _synthetic_origin(path) != expected:
+            raise ValueError(f"{path} holds {_synthetic_origin(path) or 'another model'}, not {expected}; "
+                             "move it away or pass another --data directory")
+    if not (stock / "config.json").is_file():
+        progress(f"[suite] synthesizing {stock}")
+        synth_checkpoint(stock, SynthOptions(o.geometry, layers=o.layers, seed=o.seed, force=stock.exists(),
+                                             overrides=o.synth_overrides), progress)
+    else:
+        progress(f"[suite] reusing {stock}")
+    if not (edge0 / "config.json").is_file():
+        progress(f"[suite] converting to {edge0}")
+        convert(stock, edge0, ConvertOptions(force=edge0.exists(), show_progress=False))
+    else:
+        progress(f"[suite] reusing {edge0}")
+    size = lambda root: sum(p.stat().st_size for p in checkpoint_files(root))  # noqa: E731
+    return {"stock": {"path": str(stock), "bytes": size(stock)},
+            "edge0": {"path": str(edge0), "bytes": size(edge0),
+                      "resident_bytes": (edge0 / "model.safetensors").stat().st_size,
+                      "expert_bytes": size(edge0 / "experts")}}  # fmt: skip
+
+
+def native_k(edge0: Path) -> int:
+    return int(read_config(edge0)["edge0"]["num_experts_per_tok"])
+
+
+def heads_k(edge0: Path) -> Optional[int]:
+    """K of the checkpoint's prerouter heads, None without heads."""
+    section = read_config(edge0)["edge0"].get("prerouter")
+    if not isinstance(section, dict) or not (edge0 / section.get("file", "")).is_file():
+        return None
+    return int(section["k"])
+
+
+def ensure_heads(edge0: Path, k: int, progress: Callable[[str], None]) -> None:
+    """Make the checkpoint's heads be for K=``k`` (``edge0 heads init --k``, in a
+    child so its loaded model does not stay in this process)."""
+    if heads_k(edge0) == k:
+        return
+    progress(f"[suite] writing K={k} prerouter heads into {edge0}")
+    code = "import sys; from mlx_edge0.cli import main; main(sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", code, "heads", "init", str(edge0), "--k", str(k)],
+                          capture_output=True, text=True, timeout=HEADS_TIMEOUT_S)  # fmt: skip
+    if proc.returncode != 0 or heads_k(edge0) != k:
+        raise RuntimeError(f"{edge0}: edge0 heads init --k {k} failed:\n{proc.stderr[-2000:]}")
+
+
+def run_suite(
+    o: SuiteOptions,
+    command: list[str],
+    progress: Callable[[str], None] = _stderr_progress,
+) -> dict:
+    """Prepare checkpoints and heads, run every phase, write ``suite.json``."""
+    out = Path(o.out)
+    started = time.time()
+    checkpoints = prepare_checkpoints(o, progress)
+    k_native = native_k(o.edge0_dir)
+    phases = plan_phases(o, k_native)
+    suite = {
+        "geometry": o.geometry, "layers": o.layers,
+        "native_layers": text_config(source_config(SynthOptions(o.geometry)))["num_hidden_layers"],
+        "native_k": k_native, "command": command, "machine": machine_info(),
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(o).items()},
+        "checkpoints": checkpoints, "started": started, "phases": {},
+    }  # fmt: skip
+    for i, phase in enumerate(phases):
+        k = phase.k or k_native
+        ensure_heads(o.edge0_dir, k, progress)
+        progress(f"[suite] phase {i + 1}/{len(phases)} {phase.name}: {phase.title}")
+        bench = BenchOptions(
+            out=out / "runs" / f"{phase.name}.json", stock=o.stock_dir, edge0=o.edge0_dir,
+            arms=phase.arms, caches=phase.caches, rounds=phase.rounds,
+            prompt_tokens=o.prompt_tokens, decode_tokens=o.decode_tokens, dtype=o.dtype, seed=o.seed,
+            timeout_s=o.timeout_s, k=phase.k, warm_prefill=phase.warm_prefill, profile=phase.profile,
+            memory_wait_s=o.memory_wait_s, resume=True,
+        )  # fmt: skip
+        results = run_bench(bench, command, progress)
+        suite["phases"][phase.name] = {**asdict(phase), "k": k, "results": results}
+        suite["finished"] = time.time()
+        write_json(out / "suite.json", suite)
+    write_json(out / "suite.json", suite)
+    return suite
+
+
+def command_line() -> list[str]:
+    """This process's command, program by name (not the install path)."""
+    return [shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]]
+
+
+def load_suite(out: Path) -> dict:
+    path = Path(out) / "suite.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no suite results here (run `edge0 bench suite --out {out}` first)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None

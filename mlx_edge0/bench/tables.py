@@ -1,0 +1,157 @@
+"""Tables of benchmark results: one builder per table, rendered as Markdown or HTML.
+
+A table is headers plus rows of already formatted cells, built once from a
+results summary (``runner.summarize``) so the Markdown summary and the HTML
+report cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+GIB, MB = 2**30, 1e6
+ARM_LABELS = {"edge0-staged": "edge0-staged (current-step routing)"}
+
+
+@dataclass(frozen=True)
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.headers) + " |", "|" + "---|" * len(self.headers)]
+        lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in self.rows]
+        if self.caption:
+            lines += ["", self.caption]
+        return "\n".join(lines + [f"\n{n}" for n in self.notes])
+
+
+def _md_cell(text: str) -> str:
+    """A cell that cannot break the table or read as HTML (profile rows hold ``<built-in ...>``)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+
+
+def arm_label(arm: str) -> str:
+    base, _, budget = arm.partition("@")
+    return ARM_LABELS.get(base, base) + (f" @ {budget} GiB" if budget else "")
+
+
+def stat(entry: Optional[dict], key: str, group: Optional[str] = None) -> Optional[dict]:
+    """A metric's {median, min, max} from a summary entry (or a sub-group of it)."""
+    if entry is None:
+        return None
+    source = entry.get(group, {}) if group else entry
+    return source.get(key)
+
+
+def median(entry: Optional[dict], key: str, group: Optional[str] = None) -> Optional[float]:
+    s = stat(entry, key, group)
+    return None if s is None else s["median"]
+
+
+def cell(s: Optional[dict], scale: float = 1.0, digits: int = 2, spread: bool = True) -> str:
+    """``median (min–max)``, scaled; ``-`` when missing."""
+    if s is None:
+        return "-"
+    med, lo, hi = (s[k] / scale for k in ("median", "min", "max"))
+    if not spread or lo == hi:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+
+
+def ratio(a: Optional[float], b: Optional[float], digits: int = 2) -> str:
+    return "-" if a is None or not b else f"{a / b:.{digits}f}"
+
+
+def change(new: Optional[float], old: Optional[float]) -> str:
+    """Relative change in percent, signed."""
+    return "-" if new is None or not old else f"{(new / old - 1) * 100:+.0f}%"
+
+
+def _io_cells(e: dict) -> list[str]:
+    return [
+        cell(stat(e, "exposed_wait_ms_per_step", "metrics"), digits=1),
+        cell(stat(e, "loads_per_token", "metrics"), digits=1, spread=False),
+        cell(stat(e, "mib_per_load", "metrics"), digits=2, spread=False),
+        cell(stat(e, "bytes_per_token", "metrics"), MB, 1, spread=False),
+        cell(stat(e, "hot_hit_rate", "metrics"), spread=False),
+        cell(stat(e, "staged_hit_rate", "metrics"), spread=False),
+    ]
+
+
+IO_HEADERS = ["exposed wait ms/step", "loads/token", "MiB/load", "MB/token", "hot hit rate",
+              "staged hit rate"]  # fmt: skip
+
+
+def speed_table(summary: dict, reference: Optional[dict] = None) -> Table:
+    """Throughput and latency per arm and cache state; ×stock against the same
+    cache state's stock arm (of ``reference`` when this summary has none)."""
+    arms = summary.get("arms", {})
+    rows = []
+    for e in arms.values():
+        stock = arms.get(f"stock/{e['cache']}") or (reference or {}).get("arms", {}).get(f"stock/{e['cache']}")
+        rows.append([
+            arm_label(e["arm"]), e["cache"], f"{e['ok']}/{e['runs']}",
+            cell(stat(e, "decode_tok_s"), digits=3),
+            ratio(median(e, "decode_tok_s"), median(stock, "decode_tok_s")),
+            cell(stat(e, "prefill_tok_s")), cell(stat(e, "warm_prefill_tok_s")),
+            cell(stat(e, "ttft_s")), cell(stat(e, "ttft_with_load_s")), cell(stat(e, "load_s")),
+        ])  # fmt: skip
+    headers = ["arm", "cache", "ok/runs", "decode tok/s", "× stock", "prefill tok/s (cold request)",
+               "prefill tok/s (warm request)", "TTFT s", "TTFT s incl. load", "load s"]  # fmt: skip
+    return Table(headers, rows, notes=_failures(summary))
+
+
+def memory_table(summary: dict) -> Table:
+    """Memory and expert I/O per arm and cache state."""
+    rows = []
+    for e in summary.get("arms", {}).values():
+        rows.append([
+            arm_label(e["arm"]), e["cache"],
+            cell(stat(e, "peak_memory"), GIB, spread=False), cell(stat(e, "decode_peak_memory"), GIB, spread=False),
+            cell(stat(e, "peak_rss"), GIB, spread=False), *_io_cells(e),
+        ])  # fmt: skip
+    headers = ["arm", "cache", "peak MLX GiB", "decode peak MLX GiB", "peak RSS GiB", *IO_HEADERS]
+    return Table(headers, rows)
+
+
+def pressure_table(summary: dict) -> Table:
+    """Arms under memory pressure, decode against the exact (on-demand, no cache) arm."""
+    arms = summary.get("arms", {})
+    exact = next((e for e in arms.values() if e["arm"] == "edge0-exact"), None)
+    rows = []
+    for e in arms.values():
+        rows.append([
+            arm_label(e["arm"]), f"{e['ok']}/{e['runs']}", cell(stat(e, "decode_tok_s"), digits=3),
+            ratio(median(e, "decode_tok_s"), median(exact, "decode_tok_s")),
+            cell(stat(e, "peak_memory"), GIB, spread=False), cell(stat(e, "decode_peak_memory"), GIB, spread=False),
+            *_io_cells(e),
+        ])  # fmt: skip
+    headers = ["arm", "ok/runs", "decode tok/s", "× exact", "peak MLX GiB", "decode peak MLX GiB", *IO_HEADERS]
+    return Table(headers, rows, notes=_failures(summary))
+
+
+def _failures(summary: dict) -> list[str]:
+    return [f"{e['arm']}/{e['cache']} failed: {e['last_error']} (stderr tail in the JSON)"
+            for e in summary.get("arms", {}).values() if "last_error" in e]  # fmt: skip
+
+
+def agreement_note(summary: dict) -> str:
+    agree = summary.get("greedy_tokens_agree", {})
+    if not agree:
+        return ""
+    if all(agree.values()):
+        return "Greedy tokens agreed across arms in every round."
+    return "Greedy tokens across arms: " + ", ".join(
+        f"{slot}: {'same' if same else 'differ'}" for slot, same in agree.items()
+    )
+
+
+def markdown_table(summary: dict) -> str:
+    """Every metric per arm and cache state (the ``edge0 bench run`` printout)."""
+    parts = [speed_table(summary).markdown(), memory_table(summary).markdown()]
+    note = agreement_note(summary)
+    return "\n\n".join(parts + ([note] if note else []))

@@ -1,0 +1,180 @@
+"""The benchmark suite runs end to end on a tiny geometry and its report renders."""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_bench import SMALL
+
+from mlx_edge0.bench.charts import Bar, Point, hbar_chart, line_chart, nice_ticks, stacked_hbar_chart
+from mlx_edge0.bench.commands import bench
+from mlx_edge0.bench.measure import RunSpec
+from mlx_edge0.bench.report import inline_markdown, write_report
+from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics
+from mlx_edge0.bench.suite import (
+    SuiteOptions,
+    heads_k,
+    load_suite,
+    plan_phases,
+    prepare_checkpoints,
+    quick,
+    run_suite,
+)
+
+LAYERS, LING_SMALL = SMALL["ling-3.0-tiny"]  # 4 layers, 16 experts, K=4
+
+
+def tiny_suite(tmp_path: Path, **kwargs) -> SuiteOptions:
+    return SuiteOptions(
+        "ling-3.0-tiny", out=tmp_path / "out", data=tmp_path / "data", layers=LAYERS, rounds=1,
+        prompt_tokens=8, decode_tokens=3, cache_gib=0.01, budgets=(0.0, 0.01),
+        sweep_arms=("edge0-prerouter",), low_k=2, arms=("stock", "edge0-exact", "edge0-prerouter"),
+        caches=("cold",), synth_overrides=LING_SMALL, **kwargs,
+    )  # fmt: skip
+
+
+def _svgs_parse(html: str) -> int:
+    svgs = re.findall(r"<svg.*?</svg>", html, flags=re.S)
+    for svg in svgs:
+        ET.fromstring(svg)  # well-formed XML
+    return len(svgs)
+
+
+def test_suite_runs_end_to_end_and_report_renders(tmp_path):
+    options = tiny_suite(tmp_path)
+    lines: list[str] = []
+    suite = run_suite(options, command=["edge0", "bench", "suite", "--test"], progress=lines.append)
+    assert list(suite["phases"]) == ["main", "sweep", "profile", "low-k", "low-k-pressure"]
+    runs = {name: p["results"]["runs"] for name, p in suite["phases"].items()}
+    failed = [r for rs in runs.values() for r in rs if not r["ok"]]
+    assert not failed, failed[0].get("stderr_tail")
+    assert [r["arm"] for r in runs["main"]] == ["stock", "edge0-exact", "edge0-prerouter@0.01"]
+    assert {r["arm"] for r in runs["sweep"]} == {"edge0-exact", "edge0-prerouter@0", "edge0-prerouter@0.01"}
+
+    # K swapped by heads files: native K=4 first, K=2 for the low-K phases.
+    assert suite["native_k"] == 4 and heads_k(options.edge0_dir) == 2
+    assert [suite["phases"][p]["k"] for p in suite["phases"]] == [4, 4, 4, 2, 2]
+    per_token = {p: {r["arm"]: r.get("counters_per_token") for r in runs[p]} for p in runs}
+    # Exact reads K experts per MoE layer per token (3 MoE layers); K=2 on the 2 consumers.
+    assert per_token["main"]["edge0-exact"]["expert_loads"] <= 3 * 4
+    assert per_token["low-k"]["edge0-exact"]["expert_loads"] <= 4 + 2 * 2
+    assert per_token["main"]["edge0-prerouter@0.01"]["prerouted"] == 2  # consumer layers per token
+
+    main = runs["main"][1]
+    assert main["warm_prefill_tok_s"] > 0 and main["ttft_with_load_s"] > main["ttft_s"] > 0
+    assert len(main["decode_step_counters"]) == options.decode_tokens
+    assert all(r["evicted_between_steps"] for r in runs["sweep"] + runs["low-k-pressure"])
+    assert all(r["profile_top"] and r["profiled"] for r in runs["profile"])
+
+    md, html = write_report(load_suite(options.out), options.out)
+    summary = md.read_text()
+    for expected in ("## Headline", "× stock", "Target: peak MLX memory ≤ 1.0 GiB",
+                     "Prerouter vs on-demand", "Budget sweep", "Command: `edge0 bench suite --test`",
+                     "mlx-lm", "4 of 24 layers"):  # fmt: skip
+        assert expected in summary, expected
+    page = html.read_text()
+    assert _svgs_parse(page) >= 8 and "<table>" in page and "<code>edge0 bench suite --test</code>" in page
+
+    # Rerunning a phase with the same options keeps its runs instead of re-measuring.
+    kept: list[str] = []
+    phase = suite["phases"]["main"]["results"]["options"]
+    again = BenchOptions(**{**phase, "out": Path(phase["out"]), "stock": Path(phase["stock"]),
+                            "edge0": Path(phase["edge0"]), "arms": tuple(phase["arms"]),
+                            "caches": tuple(phase["caches"])})  # fmt: skip
+    run_bench(again, ["again"], progress=kept.append)
+    assert sum("kept from" in line for line in kept) == 3
+
+
+def test_plan_phases_full_suite(tmp_path):
+    o = SuiteOptions("ling-3.0-tiny", out=tmp_path, data=tmp_path)
+    plan = {p.name: p for p in plan_phases(o, native_k=8)}
+    assert list(plan) == ["main", "sweep", "profile", "low-k", "low-k-pressure"]
+    assert plan["main"].arms == ("stock", "edge0-exact", "edge0-hot@0.5", "edge0-staged@0.5",
+                                 "edge0-prerouter@0.5")  # fmt: skip
+    assert plan["main"].caches == ("cold", "warm") and plan["main"].warm_prefill and plan["main"].rounds == 3
+    assert "stock" not in plan["low-k"].arms and plan["low-k"].k == 4
+    assert plan["sweep"].caches == ("pressure",) and len(plan["sweep"].arms) == 1 + 2 * 5
+    assert plan["low-k-pressure"].arms == ("edge0-exact", "edge0-hot@0.5", "edge0-prerouter@0.5")
+    assert plan["profile"].profile and plan["profile"].caches == ("warm",)
+    # A lower K that is not lower than the native one has no phases.
+    assert [p.name for p in plan_phases(o, native_k=4)] == ["main", "sweep", "profile"]
+    assert [p.name for p in plan_phases(replace(o, phases=("low-k",)), native_k=8)] == ["low-k"]
+
+
+def test_quick_is_small(tmp_path):
+    q = quick(SuiteOptions("qwen3.5-35b-a3b", out=tmp_path, data=tmp_path))
+    assert (q.layers, q.rounds, q.decode_tokens, q.budgets) == (4, 1, 4, (0.0, 0.25))
+    assert quick(SuiteOptions("ling-3.0-tiny", out=tmp_path, data=tmp_path)).layers == 3
+
+
+def test_suite_options_reject_bad_input(tmp_path):
+    base = dict(out=tmp_path, data=tmp_path)
+    with pytest.raises(ValueError, match="unknown geometry"):
+        SuiteOptions("llama", **base)
+    with pytest.raises(ValueError, match="phase"):
+        SuiteOptions("ling-3.0-tiny", phases=("warmup",), **base)
+    with pytest.raises(ValueError, match="sweep arms take a budget"):
+        SuiteOptions("ling-3.0-tiny", sweep_arms=("edge0-exact",), **base)
+    with pytest.raises(ValueError, match="without @GiB"):
+        SuiteOptions("ling-3.0-tiny", arms=("edge0-hot@1",), **base)
+    with pytest.raises(ValueError, match="full_attention_interval"):
+        SuiteOptions("qwen3.5-35b-a3b", layers=2, **base)
+    result = CliRunner().invoke(bench, ["suite", "--geometry", "ling-3.0-tiny", "--phases", "main,x"])
+    assert result.exit_code != 0 and "use a comma list of" in result.output
+
+
+def test_existing_checkpoint_of_another_model_is_refused(tmp_path):
+    o = tiny_suite(tmp_path)
+    o.stock_dir.mkdir(parents=True)
+    config = {"model_type": "qwen3_moe", "edge0_synthetic": {"geometry": "qwen3-30b-a3b", "layers": 2}}
+    (o.stock_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{o.stock_dir}.*qwen3-30b-a3b.*--data"):
+        prepare_checkpoints(o, progress=lambda _: None)
+
+
+def test_load_suite_errors_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match="suite.json: no suite results"):
+        load_suite(tmp_path)
+    (tmp_path / "suite.json").write_text("{")
+    with pytest.raises(ValueError, match="suite.json: not valid JSON"):
+        load_suite(tmp_path)
+
+
+def test_run_metrics_from_counters():
+    record = {"decode_s_per_token": 0.5, "counters_per_token": {
+        "exposed_wait_ms": 20.0, "expert_loads": 10, "bytes_read": 10 * 2**20 * 1.5,
+        "hot_hits": 30, "hot_misses": 10, "staged_kept": 2, "staged_copied": 2, "staged_read": 4}}
+    m = run_metrics(record)
+    assert m["mib_per_load"] == 1.5 and m["hot_hit_rate"] == 0.75 and m["staged_hit_rate"] == 0.5
+    assert m["step_ms"] == 500.0 and m["step_other_ms"] == 480.0 and m["loads_per_token"] == 10
+    assert run_metrics({"decode_s_per_token": 1.0}) == {"step_ms": 1000.0, "step_other_ms": 1000.0}
+
+
+def test_run_spec_flags():
+    spec = RunSpec("edge0-hot@1", Path("/m"), 8, 4, "float32", 0, k=4, evict_between_steps=True)
+    argv = spec.argv()
+    assert "--evict-between-steps" in argv and "--warm-prefill" not in argv and "--profile" not in argv
+    assert argv[argv.index("--k") + 1] == "4" and argv[argv.index("--arm") + 1] == "edge0-hot@1"
+
+
+def test_charts_are_valid_svg_with_escaped_labels():
+    assert nice_ticks(0.93) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(7) == [0, 2, 4, 6, 8]
+    bars = hbar_chart([Bar("a<b>", "cold", 1.0, 0.8, 1.2), Bar("c&d", "warm", 2.0)], "t", "tok/s")
+    lines = line_chart({"hot": [Point(0, 1.0, 0.9, 1.1), Point(1, 2.0)]}, "t", "GiB", "tok/s")
+    stacked = stacked_hbar_chart([("x", [1.0, 2.0])], ["wait", "other"], "t", "ms")
+    for svg in (bars, lines, stacked):
+        root = ET.fromstring(svg)
+        assert root.tag.endswith("svg")
+    assert "a&lt;b&gt;" in bars and "c&amp;d" in bars
+    assert bars.count("<rect") == 2 + 2  # two bars + a two-entry legend
+
+
+def test_inline_markdown_escapes_then_formats():
+    assert inline_markdown("**met** by `a<b>`") == "<strong>met</strong> by <code>a&lt;b&gt;</code>"
