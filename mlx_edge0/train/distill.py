@@ -16,6 +16,7 @@ k + 1 buckets). Only the LoRA trains; about a tenth of Phase 2's data.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,6 +34,7 @@ from .sft import held_out_eval, install_adapters, student_logits
 from .student import StudentPath
 
 DATA_FILE = "distill_data.npy"
+START_DIR = "start"  # the Phase-2 adapters this run started from
 TOP_K = 8
 EPS = 1e-9
 
@@ -64,14 +66,21 @@ def distill_loss(student: StudentPath, batch: dict, prompt_tokens: int, topk_wei
 def train_distill(options: PhaseOptions, teacher: Path,
                   generation: GenerationOptions = GenerationOptions(sequences=26),
                   topk_weight: float = 1.0, tail_weight: float = 1.0) -> dict:
-    """Phase 3 on ``options.checkpoint``, starting from its (Phase-2) adapters;
-    writes the new adapters into it. Returns the report."""
+    """Phase 3 on ``options.checkpoint``, starting from its (Phase-2) adapters,
+    copied to ``out_dir/start`` on the first run so a resume starts from
+    the same ones; writes the new adapters into the checkpoint. Returns the report."""
     checkpoint, out_dir = Path(options.checkpoint), Path(options.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not lora.has_adapters(checkpoint):
-        raise FileNotFoundError(f"{checkpoint / lora.ADAPTERS_FILE}: no Phase-2 adapters to start "
-                                f"from (run `edge0 train sft` first)")
-    model = load_served(checkpoint, lora=True)
+    start = out_dir / START_DIR
+    if not lora.has_adapters(start):  # first run: keep the Phase-2 adapters it starts from
+        if not lora.has_adapters(checkpoint):
+            raise FileNotFoundError(f"{checkpoint / lora.ADAPTERS_FILE}: no Phase-2 adapters to start "
+                                    f"from (run `edge0 train sft` first)")
+        start.mkdir(exist_ok=True)
+        for name in (lora.ADAPTERS_FILE, lora.ADAPTER_CONFIG_FILE):
+            shutil.copy(checkpoint / name, start / name)
+    model = load_served(checkpoint)
+    lora.apply_adapters(model, start)
     lora.train_only_adapters(model)
 
     def make_rollouts():
