@@ -108,7 +108,7 @@ class RunSpec:
     def argv(self) -> list[str]:
         flags = [
             sys.executable, "-m", "mlx_edge0.bench.measure",
-            "--arm", self.arm, "--path", str(self.path),
+            "--arm", self.arm, "--path", str(Path(self.path).resolve()),
             "--prompt-tokens", str(self.prompt_tokens),
             "--decode-tokens", str(self.decode_tokens),
             "--dtype", self.dtype, "--seed", str(self.seed), "--k", str(self.k),

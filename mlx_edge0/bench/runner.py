@@ -153,11 +153,16 @@ def wait_for_memory(need: int, limit_s: float, progress: Callable[[str], None]) 
     return True, time.perf_counter() - start
 
 
-def _child_env() -> dict[str, str]:
+# The directory holding this copy of mlx_edge0. Children run there with it first
+# on PYTHONPATH, so they import the same code as the parent (``-m`` and ``-c``
+# put the working directory first on sys.path).
+CODE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env() -> dict[str, str]:
     """The parent's environment, with this mlx_edge0 importable by the child."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -167,7 +172,7 @@ def run_child(spec: RunSpec, timeout_s: float) -> dict:
     failed = {"arm": spec.arm, "ok": False}
     try:
         proc = subprocess.run(
-            spec.argv(), capture_output=True, text=True, timeout=timeout_s, env=_child_env()
+            spec.argv(), capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=CODE_ROOT
         )
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-STDERR_TAIL:]

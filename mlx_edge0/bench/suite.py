@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from ..checkpoint import read_config, text_config
 from .measure import ARMS, BUDGET_ARMS, DTYPES, checkpoint_files
-from .runner import BenchOptions, machine_info, run_bench, write_json
+from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench, write_json
 from .synth import SynthOptions, source_config, synth_checkpoint
 
 PHASES = ("main", "low-k", "sweep", "low-k-pressure", "profile")
@@ -216,8 +216,9 @@ def ensure_heads(edge0: Path, k: int, progress: Callable[[str], None]) -> None:
         return
     progress(f"[suite] writing K={k} prerouter heads into {edge0}")
     code = "import sys; from mlx_edge0.cli import main; main(sys.argv[1:])"
-    proc = subprocess.run([sys.executable, "-c", code, "heads", "init", str(edge0), "--k", str(k)],
-                          capture_output=True, text=True, timeout=HEADS_TIMEOUT_S)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, "heads", "init", str(Path(edge0).resolve()), "--k", str(k)],
+                          capture_output=True, text=True, timeout=HEADS_TIMEOUT_S, env=child_env(),
+                          cwd=CODE_ROOT)  # fmt: skip
     if proc.returncode != 0 or heads_k(edge0) != k:
         raise RuntimeError(f"{edge0}: edge0 heads init --k {k} failed:\n{proc.stderr[-2000:]}")
 
