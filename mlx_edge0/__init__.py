@@ -20,6 +20,16 @@ def _model_config(options: dict[str, Any]) -> dict[str, Any]:
     return {RUNTIME_KEY: Options(**options).to_dict()}
 
 
+def _check(path: str | Path) -> None:
+    """The edge0 section and the resident file's header, before mlx-lm reads
+    anything (MLX's own error for a truncated file names no file)."""
+    from .checkpoint import RESIDENT_FILE, Edge0Section, read_config
+    from .tensorfile import read_header
+
+    Edge0Section.from_config(read_config(path), Path(path) / "config.json")
+    read_header(Path(path) / RESIDENT_FILE)
+
+
 def load(path: str | Path, **options: Any):
     """Load an edge0 checkpoint with its tokenizer: ``(model, tokenizer)``.
 
@@ -27,9 +37,7 @@ def load(path: str | Path, **options: Any):
     """
     from mlx_lm import load as mlx_lm_load
 
-    from .checkpoint import read_config, Edge0Section
-
-    Edge0Section.from_config(read_config(path), Path(path) / "config.json")
+    _check(path)
     return mlx_lm_load(str(path), model_config=_model_config(options), trust_remote_code=True)
 
 
@@ -37,9 +45,7 @@ def load_model(path: str | Path, **options: Any):
     """Load only the model of an edge0 checkpoint (no tokenizer needed)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    from .checkpoint import read_config, Edge0Section
-
-    Edge0Section.from_config(read_config(path), Path(path) / "config.json")
+    _check(path)
     model, _ = mlx_lm_load_model(
         Path(path), model_config=_model_config(options), trust_remote_code=True
     )

@@ -238,3 +238,8 @@ def eval_command(checkpoint: Path, teacher: Optional[Path], sft: Optional[Path],
         write_result(result, json_path)
     click.echo(format_table(result))
 
+
+
+from .serve import serve  # noqa: E402  (serve.py uses option_flags, defined above)
+
+main.add_command(serve)

@@ -53,11 +53,17 @@ class WholeLayerLoader:
         self.pending[layer] = (buffers, reads)
 
     def take(self, layer: int) -> ExpertWeights:
-        """The whole layer (waiting for its reads); starts the next layer's read."""
+        """The whole layer (waiting for its reads); starts the next layer's
+        read. A failed read drops the read-ahead too: the forward is over, and
+        the next one must read the files as they are then."""
         self.start(layer)
         self.start(self.next_layer[layer])
         buffers, reads = self.pending.pop(layer)
-        reads.wait()
+        try:
+            reads.wait()
+        except BaseException:
+            self.clear()
+            raise
         self.store.telemetry.current.whole_layer_loads += 1
         return buffers.weights()
 

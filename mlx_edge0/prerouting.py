@@ -76,7 +76,16 @@ class Prerouting:
         return SLOTS_PER_OWNER * self.owners.index(owner)
 
     def bind(self, state: Optional[ArraysCache]) -> None:
-        """Use ``state`` for the forward about to run (None: no prediction)."""
+        """Use ``state`` for the forward about to run (None: no prediction).
+
+        Plans the last forward did not consume (it raised, e.g. on a failed
+        read) are dropped: their reads are let finish and their buffers
+        forgotten, so no later fill keeps or copies rows that never landed.
+        """
+        for consumer, planned in self.planned.items():
+            if planned.staged is not None:
+                planned.staged.reads.settle()
+                self.runtime.staged[consumer].invalidate(planned.staged.buffer)
         self.state = state
         self.planned.clear()
         self.partial.clear()

@@ -9,7 +9,13 @@ Contract:
   second copy. I/O threads touch only memoryviews and file descriptors, never
   MLX arrays or graphs (graphs are thread-bound in MLX).
 - A failed read is raised in the caller as :class:`ExpertReadError` naming the
-  file, the byte range and the cause; it never hangs.
+  file, the byte range and the cause; it never hangs, and it is counted
+  (``read_errors``). An open descriptor keeps reading the file it opened
+  even after that file was replaced or deleted, so after a failure every
+  layer file whose path now names another file (or none) is reopened and its
+  header validated again before the next read, once no read is in flight on
+  the old descriptor: a file restored by renaming a copy over it is picked
+  up, a missing or broken one fails with its name and problem.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -119,6 +125,20 @@ class LayerFile:
             offsets.append(start)
         self.offsets = offsets
         self.fd = os.open(path, os.O_RDONLY)
+        opened = os.fstat(self.fd)
+        self.identity = (opened.st_dev, opened.st_ino)
+        self.in_flight: list[Future] = []  # reads that may still use ``fd``
+
+    def track(self, futures: list[Future]) -> None:
+        self.in_flight = [f for f in self.in_flight if not f.done()] + futures
+
+    def replaced(self) -> bool:
+        """Whether the path now names another file (or none)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        return (now.st_dev, now.st_ino) != self.identity
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -183,10 +203,12 @@ def _read_run(fd: int, views: list[memoryview], offset: int, path: Path,
 class ReadBatch:
     """Reads in flight for one layer (its *future*): ``wait`` blocks only here."""
 
-    def __init__(self, futures: list[Future], loads: int, telemetry: Telemetry):
+    def __init__(self, futures: list[Future], loads: int, telemetry: Telemetry,
+                 on_error: Optional[Callable[[], None]] = None):
         self.futures = futures
         self.loads = loads
         self.telemetry = telemetry
+        self.on_error = on_error
         self._waited = False
 
     def done(self) -> bool:
@@ -214,6 +236,9 @@ class ReadBatch:
         stats = self.telemetry.current
         stats.exposed_wait_s += time.perf_counter() - t0
         if error is not None:
+            stats.read_errors += 1
+            if self.on_error is not None:
+                self.on_error()
             raise error
         stats.expert_loads += self.loads
         stats.bytes_read += nbytes
@@ -227,7 +252,9 @@ class ExpertStore:
                  telemetry: Optional[Telemetry] = None):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.geometry = section.experts
+        self.alignment = section.alignment
         self.telemetry = telemetry or Telemetry()
+        self.suspect = False  # a read failed: check every file before the next read
         self.layers: dict[int, LayerFile] = {}
         self._pool = None
         try:
@@ -242,7 +269,7 @@ class ExpertStore:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io")
-        weakref.finalize(self, _release, self._pool, list(self.layers.values()))
+        weakref.finalize(self, _release, self._pool, self.layers.values())
         self._pad = bytearray(max(1, self.geometry.pad_bytes(section.alignment)))
 
     def submit(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers,
@@ -255,7 +282,7 @@ class ExpertStore:
         thread; returns at once.
         """
         drop_pages = drop_pages and hasattr(os, "posix_fadvise")
-        lf = self.layers[layer]
+        lf = self._layer_file(layer)
         pairs = sorted(zip((int(e) for e in ids), rows))
         if any(not 0 <= e < self.geometry.num_experts for e, _ in pairs):
             raise ValueError(f"layer {layer}: expert id out of range in {list(ids)}")
@@ -282,7 +309,27 @@ class ExpertStore:
                 _read_run, lf.fd, views, run.offset, lf.path, conversions, src_code, dst_code,
                 drop_pages,
             ))
-        return ReadBatch(futures, len(pairs), self.telemetry)
+        lf.track(futures)
+        return ReadBatch(futures, len(pairs), self.telemetry, on_error=self._read_failed)
+
+    def _read_failed(self) -> None:
+        self.suspect = True
+
+    def _layer_file(self, layer: int) -> LayerFile:
+        """The layer's open file; after a failed read, only once every
+        replaced file is reopened and revalidated (see the module docstring)."""
+        if self.suspect:
+            for other, lf in self.layers.items():
+                if lf.replaced():
+                    wait_all(lf.in_flight)  # then nothing reads the old descriptor
+                    try:
+                        fresh = LayerFile(lf.path, self.geometry, self.alignment)
+                    except TensorFileError as e:
+                        raise ExpertReadError(f"{e} (reopening it after a failed read)") from None
+                    lf.close()
+                    self.layers[other] = fresh
+            self.suspect = False
+        return self.layers[layer]
 
     def read(self, layer: int, ids: Sequence[int], scales_dtype: Optional[mx.Dtype] = None) -> ExpertWeights:
         """Read experts ``ids`` of ``layer`` into fresh stacked arrays (row i = ids[i])."""
@@ -292,7 +339,7 @@ class ExpertStore:
 
     def close(self) -> None:
         """Stop the I/O threads and close the files."""
-        _release(self._pool, list(self.layers.values()))
+        _release(self._pool, self.layers.values())
 
 
 def pool_scales_dtype(geometry, compute_dtype: Optional[mx.Dtype]) -> mx.Dtype:
@@ -304,7 +351,7 @@ def pool_scales_dtype(geometry, compute_dtype: Optional[mx.Dtype]) -> mx.Dtype:
     return compute_dtype if convertible(geometry.scales_dtype, MX_TO_CODE[compute_dtype]) else disk
 
 
-def _release(pool: ThreadPoolExecutor | None, files: list[LayerFile]) -> None:
+def _release(pool: ThreadPoolExecutor | None, files: Iterable[LayerFile]) -> None:
     if pool is not None:
         pool.shutdown(wait=True)
     for lf in files:

@@ -30,6 +30,7 @@ class Stats:
         prerouted: layer calls routed by the prerouter's prediction.
         staged_drops: routed experts missing from a prerouted layer's staged
             set (zero by construction: the prediction is the routing).
+        read_errors: read batches that failed (raised in the caller).
     """
 
     steps: int = 0
@@ -47,6 +48,7 @@ class Stats:
     whole_layer_loads: int = 0
     prerouted: int = 0
     staged_drops: int = 0
+    read_errors: int = 0
 
     def __add__(self, other: "Stats") -> "Stats":
         return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

@@ -116,7 +116,7 @@ def read_header(path: Path | str) -> TensorHeader:
 
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a huge integer, deep nesting
         raise fail(f"header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise fail("header is not a JSON object")
@@ -147,7 +147,7 @@ def _parse_entry(name, info, data_start, file_size, fail) -> TensorEntry:
     if not isinstance(info, dict):
         raise fail(f"entry {name!r} is not a JSON object")
     dtype = info.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise fail(f"tensor {name!r} has unsupported dtype {dtype!r}")
     shape = info.get("shape")
     if not isinstance(shape, list) or not all(
