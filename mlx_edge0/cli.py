@@ -13,6 +13,7 @@ from typing import Optional
 import click
 
 from .bench.commands import bench
+from .train.commands import train
 from .options import COMPUTE_DTYPES, HOT_POLICIES, PAGE_CACHE_POLICIES, PREFILL_PATHS, Options
 
 
@@ -122,11 +123,11 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: flo
     from .tensorfile import TensorFileError
 
     options = _options(**option_fields)
-    if model_path is None:
-        from .default_model import ensure_default_model
-
-        model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
     try:
+        if model_path is None:
+            from .default_model import ensure_default_model
+
+            model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
         model, tokenizer = load(model_path, **options.to_dict())
     except (CheckpointError, TensorFileError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -170,6 +171,7 @@ def info(checkpoint: Path, as_json: bool) -> None:
 
 
 main.add_command(bench)
+main.add_command(train)
 
 
 @main.group()

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,20 +61,25 @@ NORM_SPREAD = 0.1  # norm weights in [0.9, 1.1]: non-trivial, and +-1 stays exac
 EMBED_STD = 0.5  # token identity, not the shared attention mix, should drive routing
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 512) -> Path:
+def train_tokenizer(
+    out_dir: Path, vocab_size: int = 512, texts: Optional[Sequence[str]] = None
+) -> Path:
     """Train a byte-level BPE tokenizer on stdlib sources, which every machine has.
 
-    The same files in the same order give byte-identical ``tokenizer.json``.
+    ``texts`` defaults to :data:`CORPUS_FILES`; the training corpus passes its
+    train split. The same texts in the same order give byte-identical
+    ``tokenizer.json``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    root = Path(os.__file__).parent
-    files = [root / n for n in CORPUS_FILES if (root / n).is_file()]
-    texts = [f.read_text(encoding="utf-8") for f in files]
-    if not texts:
-        raise FileNotFoundError(f"No standard library sources under {root}")
+    if texts is None:
+        root = Path(os.__file__).parent
+        files = [root / n for n in CORPUS_FILES if (root / n).is_file()]
+        texts = [f.read_text(encoding="utf-8") for f in files]
+        if not texts:
+            raise FileNotFoundError(f"No standard library sources under {root}")
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

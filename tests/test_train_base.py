@@ -5,10 +5,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_edge0.tiny import build_tiny_model
+from mlx_edge0.tiny import build_tiny_model, model_module, train_tokenizer
+from mlx_edge0.train import base, data
 from mlx_edge0.train.loop import (
     CHECKPOINTS,
     LOG_FILE,
@@ -156,3 +158,171 @@ def test_bad_loop_options(bad, message):
     fields = dict(out_dir=Path("x"), steps=10, learning_rate=1e-3) | bad
     with pytest.raises(ValueError, match=message):
         LoopOptions(**fields)
+
+
+# --- the stdlib corpus ---------------------------------------------------------------------
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_corpus_files_skip_tests_packages_and_build_data(tmp_path):
+    root = write_tree(tmp_path, {
+        "os.py": "a", "json/decoder.py": "b", "json/README": "c", "test/test_os.py": "d",
+        "unittest/test/test_case.py": "e", "idlelib/idle_test/t.py": "f",
+        "site-packages/pkg/m.py": "g", "encodings/cp1252.py": "h", "pydoc_data/topics.py": "i",
+        "_sysconfigdata__linux_x86_64-linux-gnu.py": "j", "__pycache__/os.py": "k",
+    })  # fmt: skip
+    assert data.corpus_files(root) == ["json/decoder.py", "os.py"]
+
+
+def test_corpus_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        data.corpus_files(tmp_path)
+    (tmp_path / "bad.py").write_bytes(b"x = '\xff'\n")
+    with pytest.raises(ValueError, match=r"bad\.py: not UTF-8"):
+        data.split_corpus(tmp_path, fraction=0.5).texts("train" if not data.is_held_out("bad.py", 0.5)
+                                                        else "held_out")
+    with pytest.raises(ValueError, match="fraction"):
+        data.split_corpus(tmp_path, fraction=1.0)
+
+
+def test_split_is_by_file_and_depends_only_on_the_path(tmp_path):
+    files = {f"pkg{i % 7}/mod_{i}.py": f"x = {i}\n" for i in range(400)}
+    a = data.split_corpus(write_tree(tmp_path / "a", files))
+    b = data.split_corpus(write_tree(tmp_path / "b", {k: "other text\n" for k in files}))
+    assert (a.train, a.held_out) == (b.train, b.held_out)
+    assert set(a.train).isdisjoint(a.held_out) and set(a.train) | set(a.held_out) == set(files)
+    assert 5 <= len(a.held_out) <= 40  # ~5% of 400
+    digest = int.from_bytes(__import__("hashlib").sha256(b"pkg0/mod_0.py").digest()[:8], "big")
+    assert data.is_held_out("pkg0/mod_0.py") == (digest < 0.05 * 2**64)
+
+
+def test_real_stdlib_split():
+    split = data.split_corpus()
+    assert len(split.train) > 100 and 0.02 < len(split.held_out) / len(split.train) < 0.1
+    assert "os.py" in split.train + split.held_out
+    assert not any(p.startswith("test/") for p in split.train + split.held_out)
+    assert data.split_corpus() == split
+
+
+def test_fingerprint_sees_names_and_contents(tmp_path):
+    root = write_tree(tmp_path, {"a.py": "1", "b.py": "2"})
+    base = data.fingerprint(root, ["a.py", "b.py"])
+    assert data.fingerprint(root, ["a.py", "b.py"]) == base
+    assert data.fingerprint(root, ["a.py"]) != base
+    (root / "b.py").write_text("3")
+    assert data.fingerprint(root, ["a.py", "b.py"]) != base
+
+
+TOKENIZER_TEXTS = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer
+
+    out = train_tokenizer(tmp_path_factory.mktemp("tok"), 300, texts=TOKENIZER_TEXTS)
+    return out, Tokenizer.from_file(str(out / "tokenizer.json"))
+
+
+def test_tokenizer_from_texts_is_deterministic(small_tokenizer, tmp_path):
+    first, tok = small_tokenizer
+    again = train_tokenizer(tmp_path, 300, texts=TOKENIZER_TEXTS)
+    assert (again / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    assert tok.token_to_id(data.DOCUMENT_SEPARATOR) == 0
+    assert 259 < tok.get_vocab_size() <= 300  # bytes + specials + merges, capped
+
+
+def test_tokenize_documents_separates_documents(small_tokenizer):
+    _, tok = small_tokenizer
+    stream = data.tokenize_documents(tok, ["def f", "class A"])
+    expected = tok.encode("def f").ids + [0] + tok.encode("class A").ids + [0]
+    assert stream.dtype == np.int32 and stream.tolist() == expected
+
+
+def test_batches_are_a_pure_function_of_the_step():
+    tokens = np.arange(1000, dtype=np.int32)
+    batches = data.TokenBatches(tokens, seq_len=9, batch_size=4, seed=1)
+    assert batches.num_windows == 100 and batches.steps_per_epoch == 25
+    first = batches(3)
+    assert first.shape == (4, 10) and first.dtype == mx.int32
+    assert mx.array_equal(data.TokenBatches(tokens, 9, 4, seed=1)(3), first)
+    assert not mx.array_equal(data.TokenBatches(tokens, 9, 4, seed=2)(3), first)
+    # Each window is a contiguous slice starting on a multiple of 10.
+    starts = np.array(first[:, 0])
+    assert np.array_equal(np.array(first), starts[:, None] + np.arange(10)) and (starts % 10 == 0).all()
+    # One epoch visits every window once; the next epoch reshuffles.
+    epoch = np.concatenate([batches.window_ids(s) for s in range(25)])
+    assert sorted(epoch.tolist()) == list(range(100))
+    assert not np.array_equal(batches.window_ids(25), batches.window_ids(0))
+
+
+def test_batches_and_eval_windows_reject_short_streams():
+    with pytest.raises(ValueError, match="fewer than batch_size"):
+        data.TokenBatches(np.arange(30, dtype=np.int32), seq_len=9, batch_size=4)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        data.eval_windows(np.arange(5, dtype=np.int32), seq_len=9)
+    assert data.eval_windows(np.arange(35, dtype=np.int32), 9).shape == (3, 10)
+    assert data.eval_windows(np.arange(35, dtype=np.int32), 9, max_windows=2).shape == (2, 10)
+
+
+# --- the base model -------------------------------------------------------------------------
+
+def test_base_config_builds_the_stock_model():
+    config = base.base_config(4096)
+    assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == []
+    model = model_module(config).Model(model_module(config).ModelArgs.from_dict(config))
+    assert len(model.layers) == 6
+    assert all(layer.mlp.switch_mlp.gate_proj.weight.shape == (16, 64, 128) for layer in model.layers)
+    n = sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert 3.5e6 < n < 4.0e6  # the size the docs and the 25 MB package budget assume
+
+
+def test_balance_loss_is_one_when_uniform_and_grows_with_collapse():
+    k = 4
+    uniform = base.balance_loss(mx.zeros((64, 16)), k)
+    assert uniform.item() == pytest.approx(1.0)
+    collapsed = mx.zeros((64, 16)).at[:, :4].add(10.0)  # everyone picks experts 0..3
+    assert base.balance_loss(collapsed, k).item() == pytest.approx(4.0, rel=1e-3)
+    grad = mx.grad(lambda x: base.balance_loss(x, k))(collapsed)
+    assert (grad[:, :4] > 0).all().item()  # the gradient pushes the favourites down
+
+
+def test_tapped_routers_keep_names_outputs_and_untap(tmp_path):
+    model = tiny_moe()
+    tokens = random_batch(0)[:, :8]
+    before, names = model(tokens), sorted(params(model))
+    tap = base.tap_routers(model)
+    assert sorted(params(model)) == names
+    assert mx.array_equal(model(tokens), before)
+    moe_layers = [layer for layer in model.layers if hasattr(layer.mlp, "switch_mlp")]
+    assert len(tap.logits) == len(moe_layers) and tap.logits[0].shape == (2, 8, 16)
+    base.untap_routers(model)
+    assert all(type(layer.mlp.gate) is nn.Linear for layer in moe_layers)
+    assert mx.array_equal(model(tokens), before) and sorted(params(model)) == names
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
+    model = tiny_moe()
+    model.lm_head.weight = mx.zeros_like(model.lm_head.weight)  # every logit 0
+    windows = np.array(random_batch(0))
+    result = base.held_out_perplexity(model, windows, batch_size=1)
+    assert result["tokens"] == 2 * 16
+    assert result["perplexity"] == pytest.approx(VOCAB, rel=1e-5)
+    assert base.lm_loss(model, mx.array(windows)).item() == pytest.approx(np.log(VOCAB), rel=1e-5)
+
+
+def test_train_base_command_is_registered_and_validates():
+    from click.testing import CliRunner
+
+    from mlx_edge0.cli import main
+
+    r = CliRunner().invoke(main, ["train", "base", "--help"])
+    assert r.exit_code == 0 and "--steps" in r.output
+    r = CliRunner().invoke(main, ["train", "base", "/tmp/never-written", "--vocab-size", "100"])
+    assert r.exit_code == 1 and "vocab_size must be >= 512" in r.output
+    assert not Path("/tmp/never-written").exists()
