@@ -197,3 +197,27 @@ def test_bench_options_validate(tmp_path):
         BenchOptions(out=tmp_path / "r.json", stock=tmp_path)
     with pytest.raises(ValueError, match="unknown"):
         BenchOptions(out=tmp_path / "r.json", arms=("fast",))
+
+
+def test_quantize_embeddings_option(tmp_path, small_ckpts):
+    import mlx.nn as nn
+
+    from mlx_edge0 import load_model as load_edge0
+    from mlx_edge0.conversions import ConvertOptions, convert
+
+    stock, _ = load_model(small_ckpts["ling-3.0-tiny"])
+    assert type(stock.model.word_embeddings) is nn.Embedding  # bailing_moe_v3 keeps them bf16
+    assert type(stock.lm_head) is nn.Linear
+
+    opts = small_options("ling-3.0-tiny", quantize_embeddings=True)
+    report = synth_checkpoint(tmp_path / "qe", opts, progress=lambda _: None)
+    model, config = _check_stock_load(report.path, [1, 5, 9])
+    assert isinstance(model.model.word_embeddings, nn.QuantizedEmbedding)
+    assert isinstance(model.lm_head, nn.QuantizedLinear)
+    assert config["edge0_synthetic"]["quantized_embeddings"] is True
+    # The edge0 conversion keeps them quantized and streams the same model.
+    convert(report.path, tmp_path / "qe-edge0", ConvertOptions(show_progress=False))
+    edge0 = load_edge0(tmp_path / "qe-edge0", compute_dtype="float32", cache_gib=0, prerouter=False)
+    assert isinstance(edge0.model.word_embeddings, nn.QuantizedEmbedding)
+    tokens = [1, 5, 9]
+    assert mx.array_equal(_run(edge0, tokens), _run(model, tokens)).item()

@@ -58,10 +58,13 @@ def bench():
 @click.option("--layers", type=click.IntRange(min=1), help="Keep only N decoder layers.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: bool):
+@click.option("--quantize-embeddings", is_flag=True,
+              help="Also quantize embeddings and lm_head where mlx-lm's predicate keeps them bf16.")
+def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: bool, quantize_embeddings: bool):
     """Write a random-weight stock mlx-lm int4 checkpoint of a public model's shape to OUT."""
     try:
-        options = SynthOptions(geometry, layers=layers, seed=seed, force=force)
+        options = SynthOptions(geometry, layers=layers, seed=seed, force=force,
+                               quantize_embeddings=quantize_embeddings)
         report = synth_checkpoint(out, options)
     except (ValueError, FileExistsError) as e:
         raise click.ClickException(str(e)) from None
@@ -143,6 +146,8 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
               help="Seconds before a run is killed and recorded as failed.")
+@click.option("--quantize-embeddings", is_flag=True,
+              help="Synthesize with int4 embeddings and lm_head (where mlx-lm keeps them bf16).")
 @click.option("--quick", is_flag=True,
               help="Minutes: few layers, 8-token prompt, 4 decode tokens, one round, two budgets.")
 def suite(out: Optional[Path], quick: bool, **kwargs):
@@ -152,9 +157,10 @@ def suite(out: Optional[Path], quick: bool, **kwargs):
     sweep (budgets under memory pressure), low-k-pressure, profile. Rerunning with
     the same options keeps finished runs.
     """
-    name = kwargs["geometry"] + (f"-L{kwargs['layers']}" if kwargs["layers"] else "")
     try:
-        options = SuiteOptions(out=out or Path("benchmarks/results") / name, **kwargs)
+        options = SuiteOptions(out=out or Path("."), **kwargs)
+        if out is None:
+            options = replace(options, out=Path("benchmarks/results") / options.name)
         if quick:
             options = quick_options(options)
             if out is None:

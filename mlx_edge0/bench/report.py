@@ -153,7 +153,26 @@ def phase_section(suite: dict, name: str) -> Optional[Section]:
             section.charts += sweep_charts(summary)
             section.text += sweep_optimum(summary)
     section.charts.append(wait_chart(summary, phase["title"]))
+    timeline = step_wait_chart(phase["results"]["runs"], suite["options"]["cache_gib"], phase["title"])
+    if timeline:
+        section.charts.append(timeline)
     return section
+
+
+def step_wait_chart(runs: list[dict], budget: float, title: str) -> Optional[str]:
+    """Exposed I/O wait of every decode step of one run (the first round) per
+    on-demand / prerouter arm: the per-step view behind the medians."""
+    wanted = ("edge0-exact", f"edge0-hot@{budget:g}", f"edge0-prerouter@{budget:g}")
+    series = {}
+    for r in runs:
+        if r.get("ok") and r["round"] == 0 and r["arm"] in wanted and r.get("decode_step_counters"):
+            steps = r["decode_step_counters"]
+            series[f"{arm_label(r['arm'])} / {r['cache']}"] = [
+                Point(i + 1, s["exposed_wait_ms"]) for i, s in enumerate(steps)]
+    if not series:
+        return None
+    return line_chart(series, f"Exposed I/O wait per decode step, round 1 — {title}", "decode step",
+                      "ms")
 
 
 def _with_caption(t: Table, suite: dict) -> tuple:

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 from ..checkpoint import read_config, text_config
 from .measure import ARMS, BUDGET_ARMS, DTYPES, checkpoint_files
 from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench, write_json
-from .synth import SynthOptions, source_config, synth_checkpoint
+from .synth import SynthOptions, source_config, synth_checkpoint, synthetic_origin
 
 PHASES = ("main", "low-k", "sweep", "low-k-pressure", "profile")
 PRESSURE_ARMS = ("edge0-exact", "edge0-hot", "edge0-prerouter")
@@ -57,6 +57,8 @@ class SuiteOptions:
         budgets: the sweep's budgets (GiB).
         low_k: the lower K (heads are made for it); 0 skips the low-K phases.
         arms: the arms of ``main`` (the other phases take the edge0 ones among them).
+        quantize_embeddings: synthesize with int4 embeddings and lm_head too
+            (where mlx-lm's own predicate keeps them bf16).
         synth_overrides: text-config fields to change when synthesizing (tests).
     """
 
@@ -78,6 +80,7 @@ class SuiteOptions:
     seed: int = 0
     timeout_s: float = 3600.0
     memory_wait_s: float = 900.0
+    quantize_embeddings: bool = False
     synth_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -99,7 +102,8 @@ class SuiteOptions:
 
     @property
     def name(self) -> str:
-        return self.geometry + (f"-L{self.layers}" if self.layers else "")
+        return (self.geometry + (f"-L{self.layers}" if self.layers else "")
+                + ("-int4-embeddings" if self.quantize_embeddings else ""))
 
     @property
     def stock_dir(self) -> Path:
@@ -172,8 +176,9 @@ def prepare_checkpoints(o: SuiteOptions, progress: Callable[[str], None]) -> dic
     """Synthesize and convert unless a matching checkpoint is already there."""
     from ..conversions import ConvertOptions, convert
 
-    expected = {"geometry": o.geometry, "seed": o.seed,
-                "layers": text_config(source_config(SynthOptions(o.geometry, layers=o.layers)))["num_hidden_layers"]}
+    synth = SynthOptions(o.geometry, layers=o.layers, seed=o.seed, overrides=o.synth_overrides,
+                         quantize_embeddings=o.quantize_embeddings)  # fmt: skip
+    expected = synthetic_origin(synth)
     stock, edge0 = o.stock_dir, o.edge0_dir
     for path in (stock, edge0):
         if (path / "config.json").is_file() and _synthetic_origin(path) != expected:
@@ -181,8 +186,7 @@ def prepare_checkpoints(o: SuiteOptions, progress: Callable[[str], None]) -> dic
                              "move it away or pass another --data directory")
     if not (stock / "config.json").is_file():
         progress(f"[suite] synthesizing {stock}")
-        synth_checkpoint(stock, SynthOptions(o.geometry, layers=o.layers, seed=o.seed, force=stock.exists(),
-                                             overrides=o.synth_overrides), progress)
+        synth_checkpoint(stock, replace(synth, force=stock.exists()), progress)
     else:
         progress(f"[suite] reusing {stock}")
     if not (edge0 / "config.json").is_file():

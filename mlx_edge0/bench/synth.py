@@ -87,6 +87,9 @@ class SynthOptions:
         seed: the same seed writes the same bytes.
         force: replace an existing output directory.
         overrides: text-config fields to change, e.g. to shrink widths for tests.
+        quantize_embeddings: also quantize the input embeddings and lm_head
+            where the model's ``quant_predicate`` keeps them in bf16 (e.g.
+            bailing_moe_v3), as a checkpoint quantized by other tools would be.
     """
 
     geometry: str
@@ -94,6 +97,7 @@ class SynthOptions:
     seed: int = 0
     force: bool = False
     overrides: dict = field(default_factory=dict)
+    quantize_embeddings: bool = False
 
     def __post_init__(self):
         known = geometries()
@@ -110,6 +114,18 @@ class SynthOptions:
                 f"{self.geometry} needs --layers >= {interval} (full_attention_interval): "
                 "mlx-lm's model looks up the first full-attention layer's cache"
             )
+
+
+def synthetic_origin(options: SynthOptions) -> dict:
+    """What ``config.json`` records about how a checkpoint was synthesized."""
+    origin = {
+        "geometry": options.geometry,
+        "seed": options.seed,
+        "layers": text_config(source_config(options))["num_hidden_layers"],
+    }
+    if options.quantize_embeddings:
+        origin["quantized_embeddings"] = True
+    return origin
 
 
 @dataclass(frozen=True)
@@ -139,8 +155,9 @@ def source_config(options: SynthOptions) -> dict:
     return config
 
 
-def quantized_model(config: dict, seed: int) -> tuple[nn.Module, dict]:
-    """The stock model, cast and quantized as ``mlx_lm.convert -q`` does, still lazy.
+def quantized_model(config: dict, seed: int, quantize_embeddings: bool = False) -> tuple[nn.Module, dict]:
+    """The stock model, cast and quantized as ``mlx_lm.convert -q`` does, still lazy
+    (with ``quantize_embeddings``, the embeddings and lm_head too).
 
     Returns the model (no parameter evaluated) and the config mlx-lm would save.
     """
@@ -156,8 +173,15 @@ def quantized_model(config: dict, seed: int) -> tuple[nn.Module, dict]:
         return v
 
     model.update(tree_map_with_path(cast, model.parameters()))
+    stock_predicate = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module):
+        if quantize_embeddings and (isinstance(module, nn.Embedding) or path.endswith("lm_head")):
+            return True
+        return stock_predicate(path, module) if stock_predicate else True
+
     with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
-        model, qconfig = quantize_model(model, config, GROUP_SIZE, BITS)
+        model, qconfig = quantize_model(model, config, GROUP_SIZE, BITS, quant_predicate=predicate)
     return model, qconfig
 
 
@@ -316,12 +340,8 @@ def synth_checkpoint(
     if out.exists() and not options.force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
     start = time.perf_counter()
-    model, config = quantized_model(source_config(options), options.seed)
-    config["edge0_synthetic"] = {
-        "geometry": options.geometry,
-        "seed": options.seed,
-        "layers": text_config(config)["num_hidden_layers"],
-    }
+    model, config = quantized_model(source_config(options), options.seed, options.quantize_embeddings)
+    config["edge0_synthetic"] = synthetic_origin(options)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:
