@@ -13,6 +13,7 @@ from typing import Optional
 import click
 
 from .bench.commands import bench
+from .serve import serve_command
 from .train.commands import train
 from .options import COMPUTE_DTYPES, HOT_POLICIES, PAGE_CACHE_POLICIES, PREFILL_PATHS, Options
 
@@ -241,7 +242,4 @@ def eval_command(checkpoint: Path, teacher: Optional[Path], sft: Optional[Path],
     click.echo(format_table(result))
 
 
-
-from .serve import serve  # noqa: E402  (serve.py uses option_flags, defined above)
-
-main.add_command(serve)
+main.add_command(serve_command())

@@ -1,12 +1,15 @@
 """``edge0 info``: what an edge0 checkpoint holds, validated on the way.
 
-Every expert file's header is checked exactly as the runtime checks it, and
-the ``trust_remote_code`` shim is compared with the one the converter writes,
-so ``info`` is also the way to vet a downloaded checkpoint before running it.
+Every expert file's header is checked exactly as the runtime checks it, the
+``trust_remote_code`` shim is compared with the one the converter writes, and
+any other Python file or ``auto_map`` (code transformers would run under
+``--trust-remote-code``) is reported, so ``info`` is also the way to vet a
+downloaded checkpoint before running it.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,10 @@ def describe(path: Path | str) -> dict[str, Any]:
                     "k": a.config.k, "targets": len(a.config.targets), "kinds": kinds, "bytes": a.nbytes}
     shim = path / config.get("model_file", SHIM_FILE)
     shim_text = shim.read_text() if shim.is_file() else None
+    # --trust-remote-code also lets transformers run a tokenizer's or config's
+    # custom classes (``auto_map``) from Python files in the checkpoint.
+    other_code = sorted(str(p.relative_to(path)) for p in path.rglob("*.py") if p != shim)
+    auto_map = [name for name in (CONFIG_FILE, "tokenizer_config.json") if _has_auto_map(path / name)]
     g = section.experts
     return {
         "path": str(path.resolve()),
@@ -84,11 +91,20 @@ def describe(path: Path | str) -> dict[str, Any]:
         "shim": {
             "file": shim.name,
             "ours": shim_text == SHIM_SOURCE,
+            "other_code": other_code,
+            "auto_map": auto_map,
         },
         "optional_files": {name: (path / name).exists() for name in OPTIONAL_FILES},
         "prerouter": section.prerouter,
         "adapters": adapters,
     }
+
+
+def _has_auto_map(path: Path) -> bool:
+    try:
+        return "auto_map" in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _k_line(k_of: dict[str, int]) -> str:
@@ -136,5 +152,10 @@ def format_description(d: dict[str, Any]) -> str:
         lines.append(
             f"  WARNING         {d['shim']['file']} is NOT the mlx-edge0 shim: "
             "--trust-remote-code would run code mlx-edge0 did not write"
+        )
+    if d["shim"]["other_code"] or d["shim"]["auto_map"]:
+        lines.append(
+            f"  WARNING         other Python code {d['shim']['other_code']}, auto_map in "
+            f"{d['shim']['auto_map']}: --trust-remote-code may let transformers run it"
         )
     return "\n".join(lines)

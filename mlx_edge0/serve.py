@@ -25,6 +25,7 @@ checkpoint directory itself. The view is removed when ``edge0 serve`` stops
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -40,7 +41,6 @@ from typing import Callable, Optional, Sequence
 import click
 
 from .checkpoint import CONFIG_FILE, CheckpointError, Edge0Section, read_config
-from .cli import option_flags
 from .options import RUNTIME_KEY, Options
 from .tensorfile import TensorFileError
 
@@ -49,8 +49,9 @@ DEFAULT_PORT = 8080
 
 
 def check_checkpoint(checkpoint: Path) -> None:
-    """Validate ``checkpoint`` and refuse a model file that is not our shim:
-    ``serve`` trusts remote code on the user's behalf, so only ours.
+    """Validate ``checkpoint`` and refuse one whose model file is not our shim
+    or that holds other code transformers could run: ``serve`` trusts remote
+    code on the user's behalf, so only ours.
 
     Raises:
         CheckpointError, TensorFileError: naming the file and the problem.
@@ -59,11 +60,16 @@ def check_checkpoint(checkpoint: Path) -> None:
 
     shim = describe(checkpoint)["shim"]
     if not shim["ours"]:
-        raise CheckpointError(
-            f"{Path(checkpoint) / shim['file']}: not the mlx-edge0 shim, so --trust-remote-code "
-            "would run code mlx-edge0 did not write; inspect it, and if you trust it run "
-            "mlx_lm.server --trust-remote-code yourself"
-        )
+        problem = f"{Path(checkpoint) / shim['file']}: not the mlx-edge0 shim"
+    elif shim["other_code"] or shim["auto_map"]:
+        problem = (f"{checkpoint}: holds other Python code {shim['other_code']} "
+                   f"(auto_map in {shim['auto_map']})")
+    else:
+        return
+    raise CheckpointError(
+        f"{problem}, so --trust-remote-code would run code mlx-edge0 did not write; inspect it, "
+        "and if you trust it run mlx_lm.server --trust-remote-code yourself"
+    )
 
 
 def runtime_view(checkpoint: Path, options: Options, parent: Path) -> Path:
@@ -163,19 +169,11 @@ def serve_checkpoint(checkpoint: Path, options: Options, host: str = DEFAULT_HOS
             signal.signal(signal.SIGTERM, saved)
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
-              help="Edge0 checkpoint dir (default: the embedded default model).")
-@click.option("--host", default=DEFAULT_HOST, show_default=True,
-              help="Address to bind. Loopback by default; anything else exposes the server.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True)
-@option_flags
-@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve(model_path: Optional[Path], host: str, port: int, server_args: tuple[str, ...],
           **option_fields) -> None:
     """Serve an edge0 checkpoint with the stock mlx_lm.server (OpenAI API).
 
-    Other options are passed to mlx_lm.server unchanged, e.g.
+    Options not listed here are passed to mlx_lm.server unchanged, e.g.
     --prefill-step-size, --decode-concurrency, --max-tokens, --log-level
     (see `mlx_lm.server --help`).
     """
@@ -194,3 +192,25 @@ def serve(model_path: Optional[Path], host: str, port: int, server_args: tuple[s
     except (CheckpointError, TensorFileError) as e:
         raise click.ClickException(str(e)) from None
     sys.exit(status)
+
+
+@functools.cache
+def serve_command() -> click.Command:
+    """``edge0 serve``: :func:`serve` with ``generate``'s Options flags (from
+    cli.py, which imports this module, hence a factory)."""
+    from .cli import option_flags
+
+    decorators = [
+        click.command("serve", context_settings={"ignore_unknown_options": True}),
+        click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+                     help="Edge0 checkpoint dir (default: the embedded default model)."),
+        click.option("--host", default=DEFAULT_HOST, show_default=True,
+                     help="Address to bind. Loopback by default; anything else exposes the server."),
+        click.option("--port", default=DEFAULT_PORT, show_default=True),
+        option_flags,
+        click.argument("server_args", nargs=-1, type=click.UNPROCESSED),
+    ]
+    command = serve
+    for decorate in reversed(decorators):
+        command = decorate(command)
+    return command

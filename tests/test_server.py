@@ -164,6 +164,18 @@ def test_serve_refuses_bad_options_and_foreign_model_code(served, tmp_path):
     result = CliRunner().invoke(main, ["serve", "--model", str(foreign)])
     assert result.exit_code == 1
     assert f"{foreign / SHIM_FILE}: not the mlx-edge0 shim" in result.output
+    # our shim, but a tokenizer whose custom class transformers would import
+    shutil.copyfile(served / SHIM_FILE, foreign / SHIM_FILE)
+    (foreign / "tokenization_x.py").write_text("import os\n")
+    config = json.loads((foreign / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}
+    (foreign / "tokenizer_config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["info", str(foreign)])
+    assert result.exit_code == 0 and "is the mlx-edge0 shim" in result.output
+    assert "WARNING         other Python code ['tokenization_x.py'], auto_map in ['tokenizer_config.json']" in (
+        result.output)
+    result = CliRunner().invoke(main, ["serve", "--model", str(foreign)])
+    assert result.exit_code == 1 and "holds other Python code ['tokenization_x.py']" in result.output
 
 
 def test_serve_binds_loopback_and_stops_cleanly_on_sigterm(served, tmp_path):
