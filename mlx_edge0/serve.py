@@ -6,8 +6,9 @@ process. ``edge0 serve`` only
 
 - binds 127.0.0.1 unless ``--host`` says otherwise,
 - passes ``--trust-remote-code``, after checking (as ``edge0 info`` does)
-  that the checkpoint's model file is the shim that only imports
-  ``mlx_edge0`` and that every file is valid; it refuses anything else,
+  that every file is valid, that the model file is the shim that only
+  imports ``mlx_edge0`` and that no other code transformers could run is
+  there; it refuses anything else,
 - turns the :class:`Options` flags into the model config the server loads,
 - restarts the server when its generation loop has died (see
   :func:`supervise`).
@@ -118,7 +119,7 @@ def wait_for_failure(child: subprocess.Popen, health_url: str, poll_s: float) ->
     return False
 
 
-def supervise(argv: list[str], health_url: str, poll_s: float = 2.0,
+def supervise(argv: list[str], health_url: str, poll_s: float = 5.0,
               log: Callable[[str], None] = print) -> int:
     """Run the server command ``argv``; restart it when its generation loop dies.
 
@@ -127,6 +128,8 @@ def supervise(argv: list[str], health_url: str, poll_s: float = 2.0,
     unreadable) ends that thread for good: the process stays up and answers
     each request with an error. Restarting the process is the only way back
     with the stock server; the backoff doubles while restarts keep failing.
+    ``/health`` is polled every ``poll_s`` (each poll is a line in the
+    server's request log).
     Returns the server's exit status when it exits by itself (bad arguments,
     port in use); a KeyboardInterrupt (Ctrl-C, SIGTERM) stops it.
     """
