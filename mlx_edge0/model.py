@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -75,12 +75,28 @@ class Edge0Model:
             config = self.edge0_adapters.config
             attach(self, config.targets, config.rank, config.alpha)
 
-    def make_cache(self) -> list:
+    @property
+    def make_cache(self) -> Callable[[], list]:
         """The stock caches, plus (with the prerouter on) one ``ArraysCache``
-        of per-sequence prediction state, so batching carries it."""
-        stock = super().make_cache() if hasattr(super(), "make_cache") else [KVCache() for _ in self.layers]
+        of per-sequence prediction state, so batching carries it.
+
+        A property so that, with the prerouter off, a family whose stock
+        model has no ``make_cache`` still has none: mlx-lm then builds its
+        caches itself and honours ``max_kv_size`` (a rotating KV cache).
+        With the prerouter on that option cannot reach us and is ignored.
+        """
+        stock = getattr(super(), "make_cache", None)
         prerouting = self.edge0_runtime.prerouting
-        return stock if prerouting is None else [*stock, prerouting.make_cache()]
+        if prerouting is None:
+            if stock is None:
+                raise AttributeError("make_cache")
+            return stock
+
+        def make_cache() -> list:
+            caches = stock() if stock is not None else [KVCache() for _ in self.layers]
+            return [*caches, prerouting.make_cache()]
+
+        return make_cache
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None, **kwargs) -> mx.array:
         prerouting = self.edge0_runtime.prerouting

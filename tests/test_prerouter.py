@@ -258,4 +258,7 @@ def test_prediction_state_lives_in_the_cache(with_heads, tmp_path):
     model.reset_stats()
     model(mx.array([[8]]), cache=fresh)  # no prediction yet: the gate routes
     assert model.stats()["prerouted"] == 0
-    assert len(mlx_edge0.load_model(path, prerouter=False).make_cache()) == len(model.layers)
+    off = mlx_edge0.load_model(path, prerouter=False)
+    assert len(make_prompt_cache(off)) == len(model.layers)
+    # with the prerouter off, mlx-lm builds the stock caches and honours max_kv_size
+    assert type(make_prompt_cache(off, max_kv_size=16)[0]).__name__ == "RotatingKVCache"
