@@ -117,9 +117,34 @@ def _load_source_weights(src: Path) -> dict[str, mx.array]:
     return weights
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(out: Path) -> list[Path]:
+    """Remove temp dirs that a killed convert (SIGKILL, power loss) left next
+    to ``out``: those whose writer process no longer runs."""
+    removed = []
+    for kind in ("tmp", "old"):
+        for path in out.parent.glob(f".{out.name}.edge0-{kind}-*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
 @contextmanager
 def _atomic_dir(out: Path):
     """Yield a temp dir next to ``out``; rename it to ``out`` on success."""
+    if out.parent.exists():
+        remove_stale_temp_dirs(out)
     tmp = out.parent / f".{out.name}.edge0-tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

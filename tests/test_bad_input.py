@@ -207,7 +207,8 @@ def test_disk_full_during_convert(converted, tmp_path):
 
 def test_killed_convert_leaves_no_out(converted, tmp_path):
     """SIGKILL (or power loss) cannot be cleaned up after: OUT never appears
-    half-written; only the hidden temp dir remains (it names the dead pid)."""
+    half-written; only the hidden temp dir remains (it names the dead pid),
+    and the next convert to OUT removes it."""
     out = tmp_path / "out"
     script = (
         "import os, signal, sys\n"
@@ -225,3 +226,7 @@ def test_killed_convert_leaves_no_out(converted, tmp_path):
     assert not out.exists()
     left = [p.name for p in tmp_path.iterdir()]
     assert len(left) == 1 and left[0].startswith(".out.edge0-tmp-")
+    from mlx_edge0.conversions import ConvertOptions, convert
+
+    convert(converted("qwen3_moe").source, out, ConvertOptions(show_progress=False))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
