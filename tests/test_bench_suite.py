@@ -16,7 +16,8 @@ from mlx_edge0.bench.charts import Bar, Point, hbar_chart, line_chart, nice_tick
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.measure import RunSpec
 from mlx_edge0.bench.report import inline_markdown, write_report
-from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics
+from mlx_edge0.bench.tables import agreement_note
+from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, summarize
 from mlx_edge0.bench.suite import (
     SuiteOptions,
     heads_k,
@@ -179,3 +180,17 @@ def test_charts_are_valid_svg_with_escaped_labels():
 
 def test_inline_markdown_escapes_then_formats():
     assert inline_markdown("**met** by `a<b>`") == "<strong>met</strong> by <code>a&lt;b&gt;</code>"
+
+
+def test_summary_pairs_runs_by_round():
+    def run(arm, rnd, tok_s, tokens):
+        return {"arm": arm, "cache": "cold", "round": rnd, "ok": True, "decode_tok_s": tok_s, "tokens": tokens}
+
+    runs = [run("stock", 0, 1.0, [1, 2]), run("edge0-exact", 0, 0.8, [1, 2]), run("edge0-prerouter", 0, 0.9, [1, 3]),
+            run("stock", 1, 2.0, [1, 2]), run("edge0-exact", 1, 1.8, [1, 2]), run("edge0-prerouter", 1, 2.2, [1, 2])]
+    arms = summarize(runs)["arms"]
+    assert arms["edge0-exact/cold"]["decode_vs_stock_paired"] == pytest.approx({"median": 0.85, "min": 0.8, "max": 0.9})
+    assert arms["edge0-prerouter/cold"]["tokens_equal_reference"] == {"same": 1, "rounds": 2}
+    note = agreement_note(summarize(runs))
+    assert "equal stock's in every round: edge0-exact/cold." in note
+    assert "edge0-prerouter/cold (1 of 2 rounds)" in note
