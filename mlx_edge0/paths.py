@@ -62,7 +62,9 @@ class HotPath(ExactPath):
         if rows is None:  # the routed set is larger than the whole cache
             return rt.exact.experts(layer, x, inds)
         weights = rt.hot.buffers.weights().with_scales_dtype(rt.compute_dtype)
-        return expert_glu(x, mx.array(rows[local].astype(np.uint32)), weights)
+        y = expert_glu(x, mx.array(rows[local].astype(np.uint32)), weights)
+        rt.hot.buffers.read_by(y)
+        return y
 
 
 class StagedPath(ExactPath):
@@ -83,7 +85,9 @@ class StagedPath(ExactPath):
             raise
         local = mx.take(staged.slot_table, inds)
         weights = slots.weights(staged.buffer).with_scales_dtype(rt.compute_dtype)
-        return expert_glu(x, local, weights)
+        y = expert_glu(x, local, weights)
+        slots.buffers[staged.buffer].read_by(y)
+        return y
 
 
 class WholeLayerPath(ExactPath):

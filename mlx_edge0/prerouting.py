@@ -148,7 +148,9 @@ class Prerouting:
         stats.staged_drops += sum(int(e) not in staged for e in planned.ids)
         local = mx.take(planned.staged.slot_table, planned.inds)
         weights = slots.weights(planned.staged.buffer).with_scales_dtype(rt.compute_dtype)
-        return expert_glu(x, local, weights)
+        y = expert_glu(x, local, weights)
+        slots.buffers[planned.staged.buffer].read_by(y)
+        return y
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
         """Owner layers: run the head on each sequence's last token, keep its prediction."""

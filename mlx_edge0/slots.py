@@ -8,8 +8,12 @@ copy of a bundle beside the stacked view. Scales and biases are held in the
 compute dtype, converted once when a row is filled, so every ``gather_qmm``
 sees one dtype.
 
-Invariant the callers keep: a row is only rewritten when no unevaluated graph
-still reads it (the staged double buffer and pinning in the hot cache).
+Invariant: a row is only rewritten when no unevaluated graph still reads it.
+Every computation from the rows is recorded (:meth:`SlotBuffers.read_by`) and
+evaluated before a rewrite (:meth:`SlotBuffers.settle_readers`). In a decode
+loop each step is evaluated before the next is built, so this costs nothing;
+it matters when a caller builds several steps without evaluating them (e.g.
+teacher-forced scoring one token at a time).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class SlotBuffers:
             self.arrays.append(mx.zeros((capacity, *shape), dtype=dt))
         mx.eval(self.arrays)
         self._views = [memoryview(a).cast("B") for a in self.arrays]
+        self.readers: list[mx.array] = []
         self.row_bytes = [v.nbytes // capacity for v in self._views]
 
     @property
@@ -64,6 +69,21 @@ class SlotBuffers:
         """memcpy one resident bundle into a row (same geometry and dtype)."""
         for d, s in zip(self.row_views(dst_row), src.row_views(src_row)):
             d[:] = s
+
+    def read_by(self, out: mx.array) -> None:
+        """Record that ``out`` (maybe unevaluated) was computed from these rows.
+
+        ``out`` itself is kept (no extra op, so settling an evaluated one
+        launches nothing); callers read these buffers only at decode and for
+        small prompt chunks, so what is kept is small, and only until the
+        next rewrite."""
+        self.readers.append(out)
+
+    def settle_readers(self) -> None:
+        """Evaluate every recorded computation, so rows may be rewritten."""
+        if self.readers:
+            mx.eval(self.readers)
+            self.readers.clear()
 
     def weights(self) -> ExpertWeights:
         a = self.arrays

@@ -90,6 +90,7 @@ class StagedSlots:
         """
         b = 1 - self.active
         other = 1 - b
+        self.buffers[b].settle_readers()
         plan = plan_staging(ids, self.contents[b])
         stats = self.store.telemetry.current
         stats.staged_kept += len(plan.kept)

@@ -141,6 +141,40 @@ def test_batches_and_multi_chunk_prompts_stay_exact(converted, name):
     assert run(model) == run(stock)
 
 
+@pytest.mark.parametrize("name", ["hot", "staged", "staged+hot", "prerouter"])
+def test_steps_built_before_earlier_ones_are_evaluated(converted, tmp_path, name):
+    """Teacher-forced scoring that builds many decode steps before evaluating
+    any: no row an unevaluated step reads is rewritten under it."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from mlx_edge0.cli import main
+
+    path = converted("qwen3_moe").edge0
+    options = dict(PATHS["hot"], cache_gib=6 * TINY_BUNDLE_GIB) if name == "hot" else PATHS.get(name, {})
+    if name == "prerouter":
+        path = tmp_path / "ckpt"
+        shutil.copytree(converted("qwen3_moe").edge0, path)
+        assert CliRunner().invoke(main, ["heads", "init", str(path)]).exit_code == 0
+    tokens = np.random.default_rng(3).integers(0, 500, 24).tolist()
+
+    def score(model, eval_each_step):
+        cache = make_prompt_cache(model)
+        logits = [model(mx.array([tokens[:4]]), cache=cache)[:, -1]]
+        for t in tokens[4:]:
+            logits.append(model(mx.array([[t]]), cache=cache)[:, -1])
+            if eval_each_step:
+                mx.eval(logits[-1])
+        return mx.concatenate(logits)
+
+    want = score(mlx_edge0.load_model(path, **options), eval_each_step=True)
+    model = mlx_edge0.load_model(path, **options)
+    got = score(model, eval_each_step=False)
+    assert mx.array_equal(got, want).item()
+    assert model.stats()["expert_loads"] > 0
+
+
 # ------------------------------------------------------------- double buffer
 
 
