@@ -119,7 +119,7 @@ def _heads_line(prerouter) -> str:
         return "no"
     return (f"{len(prerouter['owners'])} (owners {prerouter['owners'][0]}-{prerouter['owners'][-1]}, "
             f"consumers {prerouter['consumers'][0]}-{prerouter['consumers'][-1]}, K={prerouter['k']}, "
-            f"prerouting single-sequence decode)")
+            f"prerouting decode, per sequence in batches)")
 
 
 def _adapters_line(adapters) -> str:

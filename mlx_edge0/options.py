@@ -61,7 +61,7 @@ class Options:
             in our buffers, so a prompt does not pull the whole checkpoint
             into the page cache (decode reads stay cached).
         prerouter: route prerouted layers with the heads' predictions when
-            the checkpoint has heads (single-sequence decode); False = the
+            the checkpoint has heads (decode, per sequence); False = the
             on-demand paths (the A/B baseline).
         k: experts per token on the prerouted (consumer) layers, e.g. 8 -> 4.
             0 = the K the checkpoint's heads were made for (the native K
