@@ -1,44 +1,47 @@
-"""The embedded default model of ``edge0 generate``.
+"""The embedded default model of ``edge0 generate`` and ``edge0 serve``.
 
-Until the project ships its trained tiny MoE, the default is a small
-RANDOM-WEIGHT qwen3_moe model with a locally trained BPE tokenizer, built and
-converted on first use into the user's cache dir. Its text is gibberish by
-construction; it exists so the whole path (convert, stream, generate) runs
-on a fresh machine without downloading anything.
+A 3.7M-parameter qwen3_moe (6 layers, 16 experts, K=4) trained from scratch
+on the Python standard library by ``examples/train_tiny_moe.py``, shipped as
+package data: ``default/edge0`` is its int4 edge0 checkpoint (with prerouter
+heads), ``default/teacher`` the bf16 mlx-lm checkpoint it was converted from.
+Both load straight from the installed package; nothing is built on first use.
+It writes Python-looking code and nothing more.
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Callable
 
-DEFAULT_NAME = "random-tiny-qwen3_moe-v1"
+DEFAULT_ROOT = Path(__file__).resolve().parent / "default"
+EDGE0_DIR, TEACHER_DIR = "edge0", "teacher"
 NOTICE = (
-    "edge0: no --model given; using the embedded default, a tiny RANDOM-WEIGHT "
-    "qwen3_moe model (its output is meaningless; it only exercises the pipeline)"
+    "edge0: no --model given; using the embedded default, a 3.7M-parameter qwen3_moe "
+    "trained on the Python standard library (it writes Python-like code, nothing more)"
 )
 
 
-def cache_dir() -> Path:
-    return Path.home() / ".cache" / "mlx-edge0"
+def default_checkpoint() -> Path:
+    """The packaged int4 edge0 checkpoint."""
+    return _packaged(EDGE0_DIR)
+
+
+def default_teacher() -> Path:
+    """The packaged bf16 mlx-lm checkpoint the default was converted from."""
+    return _packaged(TEACHER_DIR)
 
 
 def ensure_default_model(log: Callable[[str], None] = print) -> Path:
-    """Path of the default edge0 checkpoint, building it on first use."""
-    out = cache_dir() / DEFAULT_NAME
+    """Path of the default edge0 checkpoint, after telling the user what it is."""
     log(NOTICE)
-    if (out / "config.json").exists():
-        return out
-    from .conversions import ConvertOptions, convert
-    from .tiny import build_tiny_model, save_mlx, train_tokenizer
+    return default_checkpoint()
 
-    log(f"edge0: building it once into {out} ...")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tok = train_tokenizer(Path(tmp) / "tokenizer")
-        model, config = build_tiny_model("qwen3_moe", seed=0)
-        src = Path(tmp) / "source"
-        save_mlx(model, config, src, tok)
-        convert(src, out, ConvertOptions(force=True, show_progress=False))
-    return out
+
+def _packaged(name: str) -> Path:
+    path = DEFAULT_ROOT / name
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path / 'config.json'} is missing: the embedded default model is not installed "
+            "with this copy of mlx-edge0; reinstall the package or pass --model"
+        )
+    return path

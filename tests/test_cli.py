@@ -1,4 +1,4 @@
-"""The edge0 CLI: convert, info, generate (with --stats) and the default model."""
+"""The edge0 CLI: convert, info, generate (with --stats) and the embedded default model."""
 
 from __future__ import annotations
 
@@ -42,11 +42,20 @@ def test_convert_info_generate(converted, tmp_path):
     assert "generation: 8 tokens" in r.output
 
 
-def test_default_model_is_built_once_and_labelled_random(tmp_path, monkeypatch):
-    monkeypatch.setattr(default_model, "cache_dir", lambda: tmp_path)
-    r = CliRunner().invoke(main, ["generate", "--max-tokens", "4"])
+def test_default_model_is_the_packaged_trained_moe():
+    path = default_model.default_checkpoint()
+    assert path.parent == default_model.DEFAULT_ROOT and path.parent.parent.name == "mlx_edge0"
+    assert (path / "experts" / "layer_005.safetensors").is_file()
+    assert (path / "prerouter.safetensors").is_file()
+    assert (default_model.default_teacher() / "model.safetensors").is_file()
+    r = CliRunner().invoke(main, ["generate", "--max-tokens", "8", "--prompt", "import os"])
     assert r.exit_code == 0, r.output
-    assert "RANDOM-WEIGHT" in r.output and "building it once" in r.output
-    assert (tmp_path / default_model.DEFAULT_NAME / "config.json").exists()
+    assert "trained on the Python standard library" in r.output
+    assert "generation: 8 tokens" in r.output
+
+
+def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(default_model, "DEFAULT_ROOT", tmp_path)
     r = CliRunner().invoke(main, ["generate", "--max-tokens", "4"])
-    assert "RANDOM-WEIGHT" in r.output and "building it once" not in r.output
+    assert r.exit_code == 1
+    assert f"{tmp_path / 'edge0' / 'config.json'} is missing" in r.output and "--model" in r.output
