@@ -159,3 +159,29 @@ def test_distill_needs_phase_2_adapters(converted, tmp_path):
     result = CliRunner().invoke(distill_command, [str(path), "--out", str(tmp_path / "run"), "--teacher",
                                                   str(converted("qwen3_moe").source)])
     assert result.exit_code != 0 and "run `edge0 train sft` first" in result.output
+
+
+def check_quality_ordering(checkpoint, teacher) -> dict:
+    """What QUALITY.md reports, on a few held-out windows: the teacher is best; int4 alone costs
+    about nothing (within 2% either way on few windows); warm-started heads cost the most,
+    trained heads less, the recovery LoRA less again."""
+    from mlx_edge0.evaluate import EvalOptions, evaluate
+
+    result = evaluate(checkpoint, teacher, options=EvalOptions(seq_len=128, windows=6, batch_size=6),
+                      log=lambda m: None)
+    ppl = {r["row"]: r["ppl"] for r in result["rows"]}
+    teacher_ppl = ppl.pop("fp teacher")
+    exact = ppl.pop("int4, exact routing")
+    assert abs(exact / teacher_ppl - 1) < 0.02
+    assert all(teacher_ppl <= v for v in ppl.values())
+    assert ppl["int4 + warm-start heads"] > ppl["int4 + checkpoint heads"] > ppl["int4 + heads + checkpoint LoRA"]
+    recall = result["head_recall"]
+    assert recall["checkpoint"]["recall"] > recall["warm_start"]["recall"]
+    return result
+
+
+def test_eval_on_the_shipped_default_model():
+    from mlx_edge0.default_model import default_checkpoint, default_teacher
+
+    result = check_quality_ordering(default_checkpoint(), default_teacher())
+    assert set(result["merge_survival"]) == {"checkpoint LoRA"}
