@@ -251,10 +251,12 @@ def _mean_rate(entries: list[dict]) -> float:
 
 
 def load_teacher(path: Path, dtype: Optional[mx.Dtype] = mx.float32) -> nn.Module:
-    """The saved teacher as a stock mlx-lm model, cast to ``dtype`` for CPU math."""
+    """The saved teacher as a stock mlx-lm model in eval mode, cast to ``dtype``
+    (float32: MLX's CPU ``gather_mm`` has no bf16 kernel)."""
     from mlx_lm.utils import load_model
 
     model, _ = load_model(Path(path))
     if dtype is not None:
         model.set_dtype(dtype)
+    model.eval()
     return model

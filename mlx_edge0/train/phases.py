@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from .base import load_teacher  # noqa: F401  (re-exported: the phases and eval load the teacher from here)
 from .data import split_corpus, tokenize_documents
 from .loop import LoopOptions
 
@@ -63,16 +64,6 @@ def load_served(checkpoint: Path, *, prerouter: bool = True, lora: bool = False)
     from .. import load_model
 
     return load_model(checkpoint, compute_dtype="float32", cache_gib=0, prerouter=prerouter, lora=lora)
-
-
-def load_teacher(path: Path) -> nn.Module:
-    """The fp teacher: a stock mlx-lm checkpoint, computed in float32."""
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(path))
-    model.set_dtype(mx.float32)
-    model.eval()
-    return model
 
 
 def text_tokenizer(checkpoint: Path):
