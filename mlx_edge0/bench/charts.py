@@ -14,7 +14,7 @@ from typing import Optional
 
 PALETTE = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979")
 FONT = 'font-family="system-ui, sans-serif" font-size="12"'
-LABEL_W, BAR_W, ROW_H, PAD, GROUP_GAP = 230, 420, 18, 12, 6
+BAR_W, ROW_H, PAD, GROUP_GAP, CHAR_W, LEGEND_ROW = 420, 18, 12, 6, 6.8, 16
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,28 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
-def _legend(series: list[str], x: float, y: float) -> list[str]:
-    out = []
+def _text_w(text: str) -> float:
+    """About how wide ``text`` renders at the chart font (no font metrics here)."""
+    return len(text) * CHAR_W
+
+
+def _label_w(labels: list[str]) -> float:
+    return max([_text_w(t) for t in labels] or [0.0]) + 2 * PAD
+
+
+def _legend(series: list[str], x: float, y: float, width: float) -> tuple[list[str], float]:
+    """Coloured keys left to right, wrapping at ``width``; returns the elements
+    and the height they take."""
+    out, cx, rows = [], x, 1
     for i, name in enumerate(series):
-        cx = x + i * 150
-        out.append(f'<rect x="{cx}" y="{y - 9}" width="10" height="10" fill="{PALETTE[i % len(PALETTE)]}"/>')
-        out.append(f'<text x="{cx + 14}" y="{y}" {FONT}>{escape(name)}</text>')
-    return out
+        w = _text_w(name) + 30
+        if cx > x and cx + w > x + width:
+            cx, rows = x, rows + 1
+        cy = y + (rows - 1) * LEGEND_ROW
+        out.append(f'<rect x="{cx:.0f}" y="{cy - 9}" width="10" height="10" fill="{PALETTE[i % len(PALETTE)]}"/>')
+        out.append(f'<text x="{cx + 14:.0f}" y="{cy}" {FONT}>{escape(name)}</text>')
+        cx += w
+    return out, rows * LEGEND_ROW
 
 
 def _svg(width: float, height: float, title: str, body: list[str]) -> str:
@@ -72,8 +87,9 @@ def hbar_chart(bars: list[Bar], title: str, unit: str) -> str:
     top = max([b.high if b.high is not None else b.value for b in bars] or [1.0])
     ticks = nice_ticks(top)
     scale = BAR_W / ticks[-1]
-    x0, y = LABEL_W, 48 - ROW_H
-    body = _legend(series, x0, 32) if len(series) > 1 else []
+    x0 = _label_w([b.label for b in bars])
+    body, legend_h = _legend(series, x0, 32, BAR_W) if len(series) > 1 else ([], 0)
+    y = 32 + legend_h - ROW_H
     for i, b in enumerate(bars):
         first = i == 0 or bars[i - 1].label != b.label  # a group's label is written once
         y += ROW_H + (GROUP_GAP if first and i else 0)
@@ -90,7 +106,7 @@ def hbar_chart(bars: list[Bar], title: str, unit: str) -> str:
         body.append(f'<text x="{end + 4:.1f}" y="{y + 12}" {FONT} fill="#333">{_fmt(b.value)}</text>')
     y_axis = y + ROW_H + 4
     body += _x_axis(ticks, scale, x0, y_axis, unit)
-    return _svg(x0 + BAR_W + 80, y_axis + 36, title, body)
+    return _svg(max(x0 + BAR_W + 80, _text_w(title) * 1.15 + 2 * PAD), y_axis + 36, title, body)
 
 
 def _x_axis(ticks: list[float], scale: float, x0: float, y: float, unit: str) -> list[str]:
@@ -109,8 +125,9 @@ def stacked_hbar_chart(rows: list[tuple[str, list[float]]], parts: list[str], ti
     top = max([sum(v) for _, v in rows] or [1.0])
     ticks = nice_ticks(top)
     scale = BAR_W / ticks[-1]
-    x0, y0 = LABEL_W, 48
-    body = _legend(parts, x0, 32)
+    x0 = _label_w([label for label, _ in rows])
+    body, legend_h = _legend(parts, x0, 32, BAR_W)
+    y0 = 32 + legend_h
     for i, (label, values) in enumerate(rows):
         y, x = y0 + i * ROW_H, x0
         body.append(f'<text x="{x0 - 6}" y="{y + 12}" {FONT} text-anchor="end">{escape(label)}</text>')
@@ -124,7 +141,7 @@ def stacked_hbar_chart(rows: list[tuple[str, list[float]]], parts: list[str], ti
                     + " + ".join(_fmt(v) for v in values) + "</text>")
     y_axis = y0 + len(rows) * ROW_H + 4
     body += _x_axis(ticks, scale, x0, y_axis, unit)
-    return _svg(x0 + BAR_W + 140, y_axis + 36, title, body)
+    return _svg(max(x0 + BAR_W + 140, _text_w(title) * 1.15 + 2 * PAD), y_axis + 36, title, body)
 
 
 def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label: str) -> str:
@@ -132,7 +149,9 @@ def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label
     points = [p for ps in series.values() for p in ps]
     if not points:
         return _svg(300, 40, title, [])
-    w, h, left, top_y = 440, 220, 60, 48
+    w, h, left = 440, 220, 60
+    body, legend_h = _legend(list(series), left, 32, w)
+    top_y = 32 + legend_h + 8
     x_ticks = nice_ticks(max(p.x for p in points) or 1.0)
     y_ticks = nice_ticks(max(p.high if p.high is not None else p.y for p in points))
     sx, sy = w / x_ticks[-1], h / y_ticks[-1]
@@ -140,7 +159,6 @@ def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label
     def at(x: float, y: float) -> tuple[float, float]:
         return left + x * sx, top_y + h - y * sy
 
-    body = _legend(list(series), left, 32)
     for t in y_ticks:
         _, y = at(0, t)
         body.append(f'<path d="M{left} {y:.1f}H{left + w}" stroke="#eee"/>')
@@ -169,4 +187,4 @@ def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label
                 _, hi = at(p.x, p.high)
                 body.append(f'<path d="M{x:.1f} {lo:.1f}V{hi:.1f}M{x - 3:.1f} {lo:.1f}H{x + 3:.1f}'
                             f'M{x - 3:.1f} {hi:.1f}H{x + 3:.1f}" stroke="{color}" fill="none"/>')
-    return _svg(left + w + 30, top_y + h + 44, title, body)
+    return _svg(max(left + w + 30, _text_w(title) * 1.15 + 2 * PAD), top_y + h + 44, title, body)

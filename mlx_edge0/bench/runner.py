@@ -250,10 +250,11 @@ def summarize(runs: list[dict]) -> dict:
             entry["counters_per_token"] = _stats_of(counters, counters[0])
         metrics = [run_metrics(r) for r in ok]
         entry["metrics"] = _stats_of(metrics, metrics[0]) if metrics else {}
-        paired = [s[arm]["decode_tok_s"] / s["stock"]["decode_tok_s"]
-                  for (_, c), s in slots.items() if c == cache and arm in s and "stock" in s]  # fmt: skip
-        if paired:
-            entry["decode_vs_stock_paired"] = _stat(paired)
+        for reference in ("stock", "edge0-exact"):
+            paired = [s[arm]["decode_tok_s"] / s[reference]["decode_tok_s"]
+                      for (_, c), s in slots.items() if c == cache and arm in s and reference in s]  # fmt: skip
+            if paired:
+                entry[f"decode_vs_{reference.removeprefix('edge0-')}_paired"] = _stat(paired)
         same = []
         for (_, c), s in slots.items():
             reference = s.get("stock") or s.get("edge0-exact")
