@@ -123,7 +123,7 @@ class HotCache:
             misses = list(placed)
             try:
                 self.store.submit(layer, [e for _, e in misses], [placed[k] for k in misses],
-                                  self.buffers).wait()
+                                  self.buffers, urgent=True).wait()
             except BaseException:
                 self.free.extend(placed.values())  # rows hold garbage now: free, not resident
                 raise

@@ -84,7 +84,8 @@ class StagedSlots:
         ``fill_hot`` the misses are read through the hot cache first (disk ->
         cache -> slot, synchronously); without it they are read straight into
         the slots in the background, which is what a prediction-driven fill
-        wants. Call on the compute thread once nothing unevaluated reads that
+        wants (so those reads are read-ahead; with ``fill_hot`` they are
+        urgent: the caller waits for them next). Call on the compute thread once nothing unevaluated reads that
         buffer (it was last used two steps ago). Returns at once; wait on
         ``reads``.
         """
@@ -116,7 +117,8 @@ class StagedSlots:
                 to_read.append((slot, e))
             contents[slot] = e
         stats.staged_read += len(to_read)
-        reads = self.store.submit(self.layer, [e for _, e in to_read], [s for s, _ in to_read], buf)
+        reads = self.store.submit(self.layer, [e for _, e in to_read], [s for s, _ in to_read], buf,
+                                  urgent=fill_hot)
         table = np.zeros(self.store.geometry.num_experts, np.int32)
         for e, s in plan.slot_of.items():
             table[e] = s

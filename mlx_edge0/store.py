@@ -6,7 +6,9 @@ Contract:
   of the config's expert geometry), so a bad file fails at load, naming itself.
 - Reads use ``os.preadv`` from a small thread pool straight into MLX-owned
   buffers allocated on the calling (compute) thread: no mmap page faults, no
-  second copy. I/O threads touch only memoryviews and file descriptors, never
+  second copy. Reads the caller waits on at once (``urgent``: on-demand
+  misses) have their own threads, so they never queue behind read-ahead (a
+  prerouted step's fills are hundreds of reads issued when the step opens). I/O threads touch only memoryviews and file descriptors, never
   MLX arrays or graphs (graphs are thread-bound in MLX).
 - A failed read is raised in the caller as :class:`ExpertReadError` naming the
   file, the byte range and the cause; it never hangs, and it is counted
@@ -256,7 +258,7 @@ class ExpertStore:
         self.telemetry = telemetry or Telemetry()
         self.suspect = False  # a read failed: check every file before the next read
         self.layers: dict[int, LayerFile] = {}
-        self._pool = None
+        self._pools: tuple[ThreadPoolExecutor, ...] = ()
         try:
             for layer in section.moe_layers:
                 path = self.checkpoint_dir / expert_file(layer)
@@ -268,18 +270,20 @@ class ExpertStore:
         except BaseException:
             self.close()
             raise
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io")
-        weakref.finalize(self, _release, self._pool, self.layers.values())
+        self._pools = (ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io"),
+                       ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io-urgent"))
+        weakref.finalize(self, _release, self._pools, self.layers.values())
         self._pad = bytearray(max(1, self.geometry.pad_bytes(section.alignment)))
 
     def submit(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers,
-               drop_pages: bool = False) -> ReadBatch:
+               drop_pages: bool = False, urgent: bool = False) -> ReadBatch:
         """Start reading expert ``ids[i]`` of ``layer`` into row ``rows[i]`` of ``target``.
 
         Experts adjacent on disk are coalesced into one preadv whatever their
         rows. ``drop_pages`` evicts the bytes from the OS page cache once they
-        are in ``target`` (for one-shot streaming reads). Call on the compute
-        thread; returns at once.
+        are in ``target`` (for one-shot streaming reads). ``urgent`` reads
+        (the caller waits for them now) run on threads no read-ahead waits
+        on. Call on the compute thread; returns at once.
         """
         drop_pages = drop_pages and hasattr(os, "posix_fadvise")
         lf = self._layer_file(layer)
@@ -291,6 +295,7 @@ class ExpertStore:
         part_bytes = lf.part_bytes
         pad = memoryview(self._pad)[: lf.stride - lf.bundle_bytes]
         max_run = max(1, IOV_MAX // (len(part_bytes) + 1))
+        pool = self._pools[1 if urgent else 0]
         futures = []
         for run in plan_reads([e for e, _ in pairs], lf.offsets, lf.stride, max_run):
             views, conversions = [], []
@@ -305,7 +310,7 @@ class ExpertStore:
                         views.append(d)
                 if pad.nbytes and j < len(run.ids) - 1:
                     views.append(pad)
-            futures.append(self._pool.submit(
+            futures.append(pool.submit(
                 _read_run, lf.fd, views, run.offset, lf.path, conversions, src_code, dst_code,
                 drop_pages,
             ))
@@ -334,12 +339,12 @@ class ExpertStore:
     def read(self, layer: int, ids: Sequence[int], scales_dtype: Optional[mx.Dtype] = None) -> ExpertWeights:
         """Read experts ``ids`` of ``layer`` into fresh stacked arrays (row i = ids[i])."""
         target = SlotBuffers(self.geometry, len(ids), pool_scales_dtype(self.geometry, scales_dtype))
-        self.submit(layer, ids, range(len(ids)), target).wait()
+        self.submit(layer, ids, range(len(ids)), target, urgent=True).wait()
         return target.weights().with_scales_dtype(scales_dtype)
 
     def close(self) -> None:
         """Stop the I/O threads and close the files."""
-        _release(self._pool, self.layers.values())
+        _release(self._pools, self.layers.values())
 
 
 def pool_scales_dtype(geometry, compute_dtype: Optional[mx.Dtype]) -> mx.Dtype:
@@ -351,8 +356,8 @@ def pool_scales_dtype(geometry, compute_dtype: Optional[mx.Dtype]) -> mx.Dtype:
     return compute_dtype if convertible(geometry.scales_dtype, MX_TO_CODE[compute_dtype]) else disk
 
 
-def _release(pool: ThreadPoolExecutor | None, files: Iterable[LayerFile]) -> None:
-    if pool is not None:
+def _release(pools: Iterable[ThreadPoolExecutor], files: Iterable[LayerFile]) -> None:
+    for pool in pools:
         pool.shutdown(wait=True)
     for lf in files:
         lf.close()

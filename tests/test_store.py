@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 import mlx.core as mx
@@ -107,6 +108,36 @@ def test_truncated_file_during_reads_raises_in_caller(converted, tmp_path):
     # the store stays usable for reads that are still in the file
     w = store.read(layer, [0])
     assert w.num_experts == 1
+    store.close()
+
+
+def test_on_demand_read_does_not_queue_behind_read_ahead(converted, monkeypatch):
+    """A prerouted step issues hundreds of read-ahead reads at once; an
+    on-demand read in the same step must not wait for them."""
+    from mlx_edge0.slots import SlotBuffers
+
+    store, section = _store(converted("qwen3_moe").edge0, io_threads=1)
+    release = threading.Event()
+    order = []
+    preadv = os.preadv
+
+    def gated(fd, views, offset):
+        if threading.current_thread().name.startswith("edge0-io_"):  # the read-ahead threads
+            release.wait(10)
+        order.append(threading.current_thread().name.split("_")[0])
+        return preadv(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", gated)
+    first, second = section.moe_layers[:2]
+    ahead = store.submit(first, [0, 5], [0, 1], SlotBuffers(section.experts, 2, None))
+    t0 = time.perf_counter()
+    w = store.read(second, [3])
+    waited = time.perf_counter() - t0
+    release.set()
+    ahead.wait()
+    assert waited < 5 and order[0] == "edge0-io-urgent", (waited, order)
+    ref = mx.load(str(converted("qwen3_moe").edge0 / expert_file(second)))
+    assert mx.array_equal(w.down_proj.weight[0], ref["experts.3.down_proj.weight"]).item()
     store.close()
 
 
