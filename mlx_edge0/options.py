@@ -51,7 +51,7 @@ class Options:
             page cache and KV). 0 disables the hot cache.
         hot_policy: "lfu" (frequency with aging) or "lru".
         staged: decode through per-layer staged double buffers.
-        staged_slots: slots per staged buffer (0 = K, one routed set).
+        staged_slots: slots per staged buffer (0 = the layer's K, one routed set).
         prefill: prompt-chunk path: "auto" (whole layer when the chunk routes
             to about every expert, else the decode fallback), "whole-layer",
             or "exact".

@@ -65,9 +65,9 @@ class StreamingRuntime:
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
         consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
-        slots = options.staged_slots or k
         staged_layers = layers if options.staged else sorted(consumer_of.values())
-        self.staged = {l: StagedSlots(self.store, l, slots, pool_dtype) for l in staged_layers}
+        self.staged = {l: StagedSlots(self.store, l, options.staged_slots or self.k_of[l], pool_dtype)
+                       for l in staged_layers}
         self.loader = WholeLayerLoader(self.store, layers, pool_dtype,
                                        drop_pages=options.page_cache == "drop-prefill")
         self.exact = ExactPath(self)

@@ -196,6 +196,8 @@ def test_k_override_is_a_file_swap(with_heads):
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, StreamingMoE):
             assert layer.mlp.top_k == (2 if i in consumers else 4)
+    staged = model.edge0_runtime.staged  # a lower K holds fewer slots
+    assert {l: s.slots for l, s in staged.items()} == {c: 2 for c in consumers}
     model.edge0_runtime.routing_trace = trace = []
     greedy(model, _prompt_ids(path), 20)
     s = model.stats()
