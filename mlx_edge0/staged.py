@@ -85,9 +85,9 @@ class StagedSlots:
         cache -> slot, synchronously); without it they are read straight into
         the slots in the background, which is what a prediction-driven fill
         wants (so those reads are read-ahead; with ``fill_hot`` they are
-        urgent: the caller waits for them next). Call on the compute thread once nothing unevaluated reads that
-        buffer (it was last used two steps ago). Returns at once; wait on
-        ``reads``.
+        urgent: the caller waits for them next). Call on the compute thread
+        once nothing unevaluated reads that buffer (it was last used two steps
+        ago). Returns at once; wait on ``reads``.
         """
         b = 1 - self.active
         other = 1 - b

@@ -8,8 +8,9 @@ Contract:
   buffers allocated on the calling (compute) thread: no mmap page faults, no
   second copy. Reads the caller waits on at once (``urgent``: on-demand
   misses) have their own threads, so they never queue behind read-ahead (a
-  prerouted step's fills are hundreds of reads issued when the step opens). I/O threads touch only memoryviews and file descriptors, never
-  MLX arrays or graphs (graphs are thread-bound in MLX).
+  prerouted step's fills are hundreds of reads issued when the step opens).
+  I/O threads touch only memoryviews and file descriptors, never MLX arrays
+  or graphs (graphs are thread-bound in MLX).
 - A failed read is raised in the caller as :class:`ExpertReadError` naming the
   file, the byte range and the cause; it never hangs, and it is counted
   (``read_errors``). An open descriptor keeps reading the file it opened
