@@ -29,8 +29,9 @@ from mlx.utils import tree_unflatten
 
 from . import lora
 from .prerouter import PrerouterSpec, init_heads
+from .train.base import load_teacher
 from .train.heads import evaluate_heads, head_features
-from .train.phases import corpus_tokens, load_served, load_teacher, mean_nll
+from .train.phases import corpus_tokens, load_served, mean_nll
 from .train.student import StudentPath
 
 

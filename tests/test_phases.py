@@ -15,10 +15,11 @@ from click.testing import CliRunner
 from mlx_edge0 import lora
 from mlx_edge0.cli import main
 from mlx_edge0.prerouter import PrerouterSpec, init_heads
+from mlx_edge0.train.base import load_teacher
 from mlx_edge0.train.distill import distill_loss, distill_terms
 from mlx_edge0.train.heads import HeadSet, head_features, head_losses
 from mlx_edge0.train.phase_commands import distill_command, heads_command, sft_command
-from mlx_edge0.train.phases import generate_batch, load_served, load_teacher
+from mlx_edge0.train.phases import generate_batch, load_served
 from mlx_edge0.train.sft import attach_trainable_adapters, sft_loss
 from mlx_edge0.train.student import StudentPath
 

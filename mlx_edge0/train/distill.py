@@ -23,11 +23,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import lora
+from .base import load_teacher
 from .data import TokenBatches
 from .loop import run_loop
 from .phases import (
     GenerationOptions, PhaseOptions, continuation_mask, corpus_tokens, generate_rows,
-    held_out_windows, last_loss, load_served, load_teacher, masked_mean, prompt_windows,
+    held_out_windows, last_loss, load_served, masked_mean, prompt_windows,
     token_rows, write_report,
 )  # fmt: skip
 from .sft import held_out_eval, install_adapters, student_logits

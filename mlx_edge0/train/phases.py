@@ -21,7 +21,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .base import load_teacher  # noqa: F401  (re-exported: the phases and eval load the teacher from here)
 from .data import split_corpus, tokenize_documents
 from .loop import LoopOptions
 
