@@ -71,7 +71,7 @@ def option_flags(f):
         click.option("--hot-policy", type=click.Choice(HOT_POLICIES), default=Options.hot_policy,
                      show_default=True),
         click.option("--staged/--no-staged", default=Options.staged, show_default=True,
-                     help="Decode through per-layer staged double buffers."),
+                     help="Decode through per-layer staged slots."),
         click.option("--staged-slots", default=Options.staged_slots, show_default=True,
                      help="Slots per staged buffer (0 = K)."),
         click.option("--prefill", type=click.Choice(PREFILL_PATHS), default=Options.prefill,

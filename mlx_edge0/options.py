@@ -50,7 +50,7 @@ class Options:
             memory, at most a quarter of the experts: room is left for the
             page cache and KV). 0 disables the hot cache.
         hot_policy: "lfu" (frequency with aging) or "lru".
-        staged: decode through per-layer staged double buffers.
+        staged: decode through per-layer staged slots (one buffer of K rows each).
         staged_slots: slots per staged buffer (0 = the layer's K, one routed set).
         prefill: prompt-chunk path: "auto" (whole layer when the chunk routes
             to about every expert, else the decode fallback), "whole-layer",

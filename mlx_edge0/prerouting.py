@@ -85,7 +85,7 @@ class Prerouting:
         for consumer, planned in self.planned.items():
             if planned.staged is not None:
                 planned.staged.reads.settle()
-                self.runtime.staged[consumer].invalidate(planned.staged.buffer)
+                self.runtime.staged[consumer].invalidate()
         self.state = state
         self.planned.clear()
         self.partial.clear()
@@ -140,16 +140,16 @@ class Prerouting:
         try:
             planned.staged.reads.wait()
         except BaseException:
-            slots.invalidate(planned.staged.buffer)
+            slots.invalidate()
             raise
         stats = rt.telemetry.current
         stats.prerouted += 1
-        staged = set(slots.contents[planned.staged.buffer].tolist())
+        staged = set(slots.contents.tolist())
         stats.staged_drops += sum(int(e) not in staged for e in planned.ids)
         local = mx.take(planned.staged.slot_table, planned.inds)
-        weights = slots.weights(planned.staged.buffer).with_scales_dtype(rt.compute_dtype)
+        weights = slots.weights().with_scales_dtype(rt.compute_dtype)
         y = expert_glu(x, local, weights)
-        slots.buffers[planned.staged.buffer].read_by(y)
+        slots.buffers.read_by(y)
         return y
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:

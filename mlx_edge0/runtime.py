@@ -46,7 +46,7 @@ class StreamingRuntime:
         self.routing_trace: Optional[list[tuple[int, list[int]]]] = None
         self.store = ExpertStore(checkpoint_dir, section, options.io_threads, self.telemetry)
         g = section.experts
-        pool_dtype = pool_scales_dtype(g, self.compute_dtype)
+        pool_dtype = self.pool_dtype = pool_scales_dtype(g, self.compute_dtype)
         k = section.num_experts_per_tok
         layers = section.moe_layers
         expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
@@ -147,6 +147,7 @@ class StreamingRuntime:
         return {
             "hot": self.hot.nbytes if self.hot else 0,
             "staged": sum(s.nbytes for s in self.staged.values()),
+            "exact": self.exact.scratch.nbytes if self.exact.scratch else 0,
             "prerouter_heads": sum(
                 v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters())
             ),

@@ -1,13 +1,17 @@
-"""Staged slots: per MoE layer, a fixed double buffer holding exactly the
-experts a decode step computes with.
+"""Staged slots: per MoE layer, one fixed buffer holding exactly the experts
+a decode step computes with.
 
-Each layer owns two :class:`SlotBuffers` of ``slots`` rows. A step fills the
-buffer the previous step did *not* compute from, so a fill (later: the
-prerouter's fill for step t+1, issued while step t computes) never writes a
-row an unevaluated graph still reads. Filling is incremental: a slot whose
-expert is unchanged is kept; a changed slot is copied from a resident bundle
-(the other buffer, the hot cache) or read from disk in place. The device-side
-slot table (expert id -> slot) turns routed indices into rows with a ``take``.
+Each layer owns one :class:`SlotBuffers` of ``slots`` rows. A fill is
+incremental: a slot whose expert is still wanted is kept in place; a changed
+slot is copied from the hot cache or read from disk in place. Before any row
+is rewritten, every computation recorded as reading the buffer is evaluated
+(:meth:`SlotBuffers.settle_readers`), so a fill never changes a step that
+already used the rows. That costs no overlap: the prerouter's fill for step
+t+1 starts when step t+1 opens, after a sync that needs step t's heads, i.e.
+nearly all of step t (at most the last layers are still computing, and their
+fills are needed last). One buffer instead of two halves the staged memory
+and removes the copies between buffers. The device-side slot table (expert
+id -> slot) turns routed indices into rows with a ``take``.
 """
 
 from __future__ import annotations
@@ -55,49 +59,44 @@ def plan_staging(wanted: Sequence[int], contents: np.ndarray) -> StagePlan:
 
 @dataclass(frozen=True)
 class StagedSet:
-    """One staged fill: which buffer, its slot table, the reads in flight."""
+    """One staged fill: its slot table and the reads in flight."""
 
-    buffer: int
     slot_table: mx.array  # [num_experts] int32, expert id -> slot
     reads: ReadBatch
 
 
 class StagedSlots:
-    """The double buffer of one MoE layer (see the module docstring)."""
+    """The staged buffer of one MoE layer (see the module docstring)."""
 
     def __init__(self, store: ExpertStore, layer: int, slots: int, scales_dtype: Optional[mx.Dtype]):
         self.store = store
         self.layer = layer
         self.slots = slots
-        self.buffers = [SlotBuffers(store.geometry, slots, scales_dtype) for _ in range(2)]
-        self.contents = [np.full(slots, -1, np.int64) for _ in range(2)]
-        self.active = 1  # the buffer the last step computed from
+        self.buffers = SlotBuffers(store.geometry, slots, scales_dtype)
+        self.contents = np.full(slots, -1, np.int64)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        return self.buffers.nbytes
 
     def stage(self, ids: Sequence[int], hot: Optional[HotCache] = None, fill_hot: bool = True) -> StagedSet:
-        """Fill the inactive buffer with experts ``ids`` and make it active.
+        """Fill the buffer with experts ``ids``.
 
-        Bundles resident in the other buffer or the hot cache are copied. With
-        ``fill_hot`` the misses are read through the hot cache first (disk ->
-        cache -> slot, synchronously); without it they are read straight into
-        the slots in the background, which is what a prediction-driven fill
-        wants (so those reads are read-ahead; with ``fill_hot`` they are
-        urgent: the caller waits for them next). Call on the compute thread
-        once nothing unevaluated reads that buffer (it was last used two steps
-        ago). Returns at once; wait on ``reads``.
+        Bundles resident in the hot cache are copied. With ``fill_hot`` the
+        misses are read through the hot cache first (disk -> cache -> slot,
+        synchronously); without it they are read straight into the slots in
+        the background, which is what a prediction-driven fill wants (so
+        those reads are read-ahead; with ``fill_hot`` they are urgent: the
+        caller waits for them next). Call on the compute thread; graphs still
+        reading the buffer are evaluated first. Returns at once; wait on
+        ``reads``.
         """
-        b = 1 - self.active
-        other = 1 - b
-        self.buffers[b].settle_readers()
-        plan = plan_staging(ids, self.contents[b])
+        buf, contents = self.buffers, self.contents
+        buf.settle_readers()
+        plan = plan_staging(ids, contents)
         stats = self.store.telemetry.current
         stats.staged_kept += len(plan.kept)
-        buf, contents = self.buffers[b], self.contents[b]
-        in_other = {int(e): s for s, e in enumerate(self.contents[other]) if e >= 0}
-        need = [(slot, e) for slot, e in plan.rewrites if e not in in_other]
+        need = list(plan.rewrites)
         if hot is not None and need and fill_hot:
             rows = hot.fetch(self.layer, [e for _, e in need])
             from_hot = dict(zip(need, rows)) if rows is not None else {}
@@ -107,10 +106,7 @@ class StagedSlots:
             from_hot = {}
         to_read: list[tuple[int, int]] = []
         for slot, e in plan.rewrites:
-            if e in in_other:
-                buf.copy_row(self.buffers[other], in_other[e], slot)
-                stats.staged_copied += 1
-            elif (slot, e) in from_hot:
+            if (slot, e) in from_hot:
                 buf.copy_row(hot.buffers, int(from_hot[(slot, e)]), slot)
                 stats.staged_copied += 1
             else:
@@ -122,22 +118,21 @@ class StagedSlots:
         table = np.zeros(self.store.geometry.num_experts, np.int32)
         for e, s in plan.slot_of.items():
             table[e] = s
-        self.active = b
-        return StagedSet(b, mx.array(table), reads)
+        return StagedSet(mx.array(table), reads)
 
     def grow(self, slots: int) -> None:
-        """Hold at least ``slots`` experts per buffer (a batch's routed union
-        can exceed K). New buffers start empty; graphs still reading the old
-        ones keep them alive, so nothing in flight is overwritten."""
+        """Hold at least ``slots`` experts (a batch's routed union can exceed
+        K). The new buffer starts empty; graphs still reading the old one keep
+        it alive, so nothing in flight is overwritten."""
         if slots <= self.slots:
             return
         self.slots = slots
-        self.buffers = [SlotBuffers(self.store.geometry, slots, self.buffers[0].scales_dtype) for _ in range(2)]
-        self.contents = [np.full(slots, -1, np.int64) for _ in range(2)]
+        self.buffers = SlotBuffers(self.store.geometry, slots, self.buffers.scales_dtype)
+        self.contents = np.full(slots, -1, np.int64)
 
-    def invalidate(self, buffer: int) -> None:
-        """Forget a buffer's contents (after a failed fill its rows are garbage)."""
-        self.contents[buffer][:] = -1
+    def invalidate(self) -> None:
+        """Forget the contents (after a failed fill its rows are garbage)."""
+        self.contents[:] = -1
 
-    def weights(self, buffer: int) -> ExpertWeights:
-        return self.buffers[buffer].weights()
+    def weights(self) -> ExpertWeights:
+        return self.buffers.weights()

@@ -9,7 +9,6 @@ not the arithmetic inside each row).
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import mlx.core as mx
@@ -141,7 +140,7 @@ def test_batches_and_multi_chunk_prompts_stay_exact(converted, name):
     assert run(model) == run(stock)
 
 
-@pytest.mark.parametrize("name", ["hot", "staged", "staged+hot", "prerouter"])
+@pytest.mark.parametrize("name", ["exact", "hot", "staged", "staged+hot", "prerouter"])
 def test_steps_built_before_earlier_ones_are_evaluated(converted, tmp_path, name):
     """Teacher-forced scoring that builds many decode steps before evaluating
     any: no row an unevaluated step reads is rewritten under it."""
@@ -175,10 +174,10 @@ def test_steps_built_before_earlier_ones_are_evaluated(converted, tmp_path, name
     assert model.stats()["expert_loads"] > 0
 
 
-# ------------------------------------------------------------- double buffer
+# ------------------------------------------------------------- staged slots
 
 
-def test_fill_of_the_next_buffer_never_changes_the_current_step(converted, monkeypatch):
+def test_fill_never_changes_a_step_that_read_the_rows(converted):
     model = mlx_edge0.load_model(converted("qwen3_moe").edge0, cache_gib=0, staged=True)
     rt = model.edge0_runtime
     block = _blocks(model)[0]
@@ -189,26 +188,43 @@ def test_fill_of_the_next_buffer_never_changes_the_current_step(converted, monke
 
     current = slots.stage([1, 4, 6, 9])
     current.reads.wait()
-    y = expert_glu(x, mx.take(current.slot_table, inds), slots.weights(current.buffer))
-
-    real = os.preadv
-    writing, release = threading.Event(), threading.Event()
-
-    def slow_preadv(fd, views, offset):
-        writing.set()
-        release.wait(10)  # held mid-fill until the current step has computed
-        return real(fd, views, offset)
-
-    monkeypatch.setattr(os, "preadv", slow_preadv)
-    following = slots.stage([0, 2, 3, 5])  # the other buffer, filled in the background
-    assert following.buffer != current.buffer
-    assert writing.wait(10)
-    mx.eval(y)  # the current step computes while the fill is in flight
-    assert not following.reads.done()
-    release.set()
+    y = expert_glu(x, mx.take(current.slot_table, inds), slots.weights())  # not evaluated
+    slots.buffers.read_by(y)
+    following = slots.stage([0, 2, 3, 5])  # rewrites every row
     following.reads.wait()
+    assert sorted(slots.contents.tolist()) == [0, 2, 3, 5]
     assert mx.array_equal(y, want).item()
-    assert mx.array_equal(expert_glu(x, mx.take(current.slot_table, inds), slots.weights(current.buffer)), want).item()
+    new_inds = mx.array([[[0, 2, 3, 5]]], mx.uint32)
+    got = expert_glu(x, mx.take(following.slot_table, new_inds), slots.weights())
+    assert mx.array_equal(got, rt.exact.experts(block.layer, x, new_inds)).item()
+
+
+def test_exact_path_reuses_one_set_of_rows(converted):
+    c = converted("qwen3_moe")
+    model, tokenizer = mlx_edge0.load(c.edge0, **PATHS["exact"])
+    greedy(model, tokenizer.encode("def f(x):"), 6)
+    scratch = model.edge0_runtime.exact.scratch
+    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.float32)
+    assert scratch.capacity == 4 and model.stats()["resident_bytes"]["exact"] == 4 * row
+    # a union larger than K (a prompt chunk) reads into fresh buffers
+    mx.eval(model(mx.array([tokenizer.encode("import os, sys, re")])))
+    assert model.edge0_runtime.exact.scratch is scratch and scratch.capacity == 4
+
+
+def test_fill_keeps_wanted_experts_in_place(converted):
+    model = mlx_edge0.load_model(converted("qwen3_moe").edge0, cache_gib=0, staged=True)
+    rt = model.edge0_runtime
+    slots = rt.staged[_blocks(model)[0].layer]
+    slots.stage([1, 4, 6, 9]).reads.wait()
+    before = dict(zip(slots.contents.tolist(), range(slots.slots)))
+    model.reset_stats()
+    staged = slots.stage([9, 4, 0, 2])
+    staged.reads.wait()
+    s = model.stats()
+    assert (s["staged_kept"], s["staged_read"], s["staged_copied"]) == (2, 2, 0)
+    table = np.array(staged.slot_table)
+    assert table[4] == before[4] and table[9] == before[9]
+    assert sorted(slots.contents.tolist()) == [0, 2, 4, 9]
 
 
 # -------------------------------------------------------------- budget, memory
@@ -272,7 +288,8 @@ def test_stats_telemetry(converted):
     assert s["last_step"]["steps"] == 1 and s["last_step"]["tokens"] == 1
     row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.float32)  # scales widened to fp32
     assert row == 12288 + 3072
-    assert s["resident_bytes"]["staged"] == 3 * 2 * 4 * row  # layers x buffers x K slots
+    assert s["resident_bytes"]["staged"] == 3 * 4 * row  # layers x K slots
+    assert s["resident_bytes"]["exact"] == 0  # every decode call was staged
     assert s["peak_memory"] > 0
     model.reset_stats()
     assert model.stats()["expert_loads"] == 0
