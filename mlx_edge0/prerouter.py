@@ -60,6 +60,19 @@ class PrerouterHead(nn.Module):
         x = mx.concatenate([h, onehots], axis=-1)
         return self.fc2(nn.gelu(self.fc1(x))) + self.residual(h) + self.onehot_residual(onehots)
 
+    def hold_transposed(self) -> None:
+        """Keep each weight as an ``[in, out]`` buffer viewed as ``[out, in]``.
+
+        ``nn.Linear`` multiplies by ``weight.T``, which is then contiguous:
+        MLX's CPU matrix-vector product is about twice as fast on it (a head
+        at decode: 2.8 -> 1.6 ms on qwen3.5-35b-a3b's shapes). Same values,
+        same parameter names; an optimizer update stores its result in the
+        usual layout again.
+        """
+        for linear in (self.fc1, self.fc2, self.residual, self.onehot_residual):
+            linear.weight = mx.contiguous(linear.weight.T).T
+        mx.eval(self.parameters())
+
     def warm_start(self, next_router: mx.array) -> None:
         """Make the head equal to ``h @ next_router.T`` (see the module docstring)."""
         self.residual.weight = next_router.astype(mx.float32)
@@ -227,5 +240,7 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
                 raise fail(f"heads.{owner}.{name} has shape {list(value.shape)}, "
                            f"expected {list(want[name].shape)}")
         head.load_weights(list(got.items()))
+        if mx.default_device() == mx.cpu:
+            head.hold_transposed()
         heads[owner] = head
     return spec, heads

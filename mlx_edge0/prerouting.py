@@ -90,34 +90,46 @@ class Prerouting:
         self.planned.clear()
         self.partial.clear()
 
-    def begin_forward(self, length: int) -> None:
-        """Turn the last step's predictions into routing and start the fills."""
+    def begin_forward(self, length: int, x: Optional[mx.array] = None) -> None:
+        """Turn the last step's predictions into routing and start the fills.
+
+        One host sync brings every consumer's routed indices over at once;
+        then ``x`` (the first MoE layer's input) is queued with ``async_eval``,
+        so the compute thread runs the first layer while this thread plans
+        and submits the fills.
+        """
         state = self.state
         if state is None or length != 1:
             return
-        predicted = {}
+        consumers, valids, logits, routed = [], [], [], []
         for owner, consumer in self.consumer_of.items():
             s = self._slot(owner)
             if state[s + 2] is not None:
-                logits, valid = state[s + 1], state[s + 2]
-                predicted[consumer] = (valid, logits, *self.blocks[consumer].route(logits[:, None, :]))
-        if not predicted:
+                consumers.append(consumer)
+                logits.append(state[s + 1])
+                valids.append(state[s + 2])
+                routed.append(self.blocks[consumer].route(state[s + 1][:, None, :]))
+        if not consumers:
             return
-        mx.eval([(v, i) for v, _, i, _ in predicted.values()])  # the one sync per step
+        inds_all = mx.stack([inds for inds, _ in routed])  # [C, B, 1, K]
+        valid_all = mx.stack(valids)  # [C, B]
+        mx.eval(inds_all, valid_all)  # the one sync per step
+        if x is not None:
+            mx.async_eval(x)
+        inds_host, valid_host = np.array(inds_all), np.array(valid_all)
         rt = self.runtime
-        for consumer, (valid, logits, inds, scores) in predicted.items():
-            valid_host = np.array(valid)
-            if not valid_host.any():
+        for j, consumer in enumerate(consumers):
+            if not valid_host[j].any():
                 continue
-            if not valid_host.all():  # mixed batch: gate for the rest, on demand
-                self.partial[consumer] = (valid, logits)
+            if not valid_host[j].all():  # mixed batch: gate for the rest, on demand
+                self.partial[consumer] = (valids[j], logits[j])
                 continue
-            ids = np.unique(np.array(inds))
+            ids = np.unique(inds_host[j])
             slots = rt.staged[consumer]
             if len(ids) > slots.slots:
                 slots.grow(len(ids))
             staged = slots.stage(ids, rt.hot, fill_hot=False)
-            self.planned[consumer] = Planned(inds, scores, ids, staged)
+            self.planned[consumer] = Planned(*routed[j], ids, staged)
 
     def take(self, layer: int) -> Optional[Planned]:
         return self.planned.pop(layer, None)
@@ -135,8 +147,7 @@ class Prerouting:
         """Compute a prerouted layer from its staged buffer (waiting only for it)."""
         rt = self.runtime
         slots = rt.staged[layer]
-        if not planned.staged.reads.done():
-            mx.eval(x)  # compute everything up to here while the reads land
+        mx.async_eval(x)  # the compute thread runs everything up to here while the reads land
         try:
             planned.staged.reads.wait()
         except BaseException:

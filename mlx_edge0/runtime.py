@@ -126,7 +126,7 @@ class StreamingRuntime:
             if length == 1:
                 self.loader.clear()
             if self.prerouting is not None:
-                self.prerouting.begin_forward(length)
+                self.prerouting.begin_forward(length, x)
         path = self._choose(batch, length)
         path.begin(layer)
         return path
