@@ -66,6 +66,7 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
     assert per_token["main"]["edge0-exact"]["expert_loads"] <= 3 * 4
     assert per_token["low-k"]["edge0-exact"]["expert_loads"] <= 4 + 2 * 2
     assert per_token["main"]["edge0-prerouter@0.01"]["prerouted"] == 2  # consumer layers per token
+    assert [r["arm"] for r in runs["low-k"]][0] == "stock"
 
     main = runs["main"][1]
     assert main["warm_prefill_tok_s"] > 0 and main["ttft_with_load_s"] > main["ttft_s"] > 0
@@ -76,7 +77,7 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
 
     md, html = write_report(load_suite(options.out), options.out)
     summary = md.read_text()
-    for expected in ("## Headline", "× stock", "Target: peak MLX memory ≤ 1.0 GiB",
+    for expected in ("## Headline", "× stock", "Target: peak MLX memory ≤ 1.0 GiB", "edge0-prerouter @ 0.01 GiB, K=2",
                      "Prerouter vs on-demand", "Budget sweep", "Command: `edge0 bench suite --test`",
                      "mlx-lm", "4 of 24 layers"):  # fmt: skip
         assert expected in summary, expected
@@ -92,6 +93,19 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
     run_bench(again, ["again"], progress=kept.append)
     assert sum("kept from" in line for line in kept) == 3
 
+    # A later invocation of one phase keeps the earlier phases, each with its own command.
+    later = run_suite(replace(options, phases=("profile",)), command=["edge0", "bench", "suite", "--later"],
+                      progress=lines.append)  # fmt: skip
+    assert list(later["phases"]) == ["main", "sweep", "low-k", "profile"]
+    assert later["phases"]["main"]["command"][-1] == "--test" and later["phases"]["profile"]["command"][-1] == "--later"
+    md, _ = write_report(load_suite(options.out), options.out)
+    assert "Command: `edge0 bench suite --test`" in md.read_text()
+    assert "Command: `edge0 bench suite --later`" in md.read_text()
+    # Another checkpoint in the same directory: nothing earlier is kept.
+    other = run_suite(replace(options, phases=("profile",), seed=1, data=tmp_path / "other"),
+                      command=["x"], progress=lines.append)  # fmt: skip
+    assert list(other["phases"]) == ["profile"]
+
 
 def test_plan_phases_full_suite(tmp_path):
     o = SuiteOptions("ling-3.0-tiny", out=tmp_path, data=tmp_path)
@@ -100,7 +114,10 @@ def test_plan_phases_full_suite(tmp_path):
     assert plan["main"].arms == ("stock", "edge0-exact", "edge0-hot@0.5", "edge0-staged@0.5",
                                  "edge0-prerouter@0.5")  # fmt: skip
     assert plan["main"].caches == ("cold", "warm") and plan["main"].warm_prefill and plan["main"].rounds == 3
-    assert "stock" not in plan["low-k"].arms and plan["low-k"].k == 4
+    # Stock runs its native K in the low-K rounds, so ratios to it are paired.
+    assert plan["low-k"].arms == plan["main"].arms and plan["low-k"].k == 4
+    custom = {p.name: p for p in plan_phases(replace(o, low_k_arms=("stock", "edge0-prerouter")), native_k=8)}
+    assert custom["low-k"].arms == ("stock", "edge0-prerouter@0.5")
     assert plan["sweep"].caches == ("pressure",) and len(plan["sweep"].arms) == 1 + 2 * 5
     assert plan["low-k-pressure"].arms == ("edge0-exact", "edge0-hot@0.5", "edge0-prerouter@0.5")
     assert plan["profile"].profile and plan["profile"].caches == ("warm",)

@@ -17,11 +17,11 @@ from .suite import PHASES, SuiteOptions, command_line, load_suite, quick as quic
 from .tables import markdown_table
 
 
-def _csv(allowed: tuple[str, ...]):
+def _csv(allowed: tuple[str, ...], allow_empty: bool = False):
     def parse(ctx, param, value: str) -> tuple[str, ...]:
         items = tuple(v.strip() for v in value.split(",") if v.strip())
         bad = [v for v in items if v not in allowed]
-        if bad or not items:
+        if bad or not (items or allow_empty):
             raise click.BadParameter(f"{value!r}: use a comma list of {', '.join(allowed)}")
         return items
 
@@ -139,6 +139,8 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
               help="The lower K (heads are written for it); 0 skips the low-K phases.")
 @click.option("--arms", default=",".join(ARMS), show_default=True, callback=_csv(ARMS),
               help="Arms of the main phase (other phases take the edge0 ones among them).")
+@click.option("--low-k-arms", default="", callback=_csv(ARMS, allow_empty=True),
+              help="Arms of the low-K phase [default: those of --arms].")
 @click.option("--cache", "caches", default="cold,warm", show_default=True, callback=_csv(("cold", "warm")),
               help="Page-cache states of the main and low-K phases.")
 @click.option("--phases", default=",".join(PHASES), show_default=True, callback=_csv(PHASES))
@@ -153,7 +155,7 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
 def suite(out: Optional[Path], quick: bool, **kwargs):
     """Synthesize, convert, write heads for both K, run every phase, write the report.
 
-    Phases: main (every arm, native K, cold + warm), low-k (edge0 arms at --low-k),
+    Phases: main (every arm, native K, cold + warm), low-k (edge0 arms at --low-k, stock alongside),
     sweep (budgets under memory pressure), low-k-pressure, profile. Rerunning with
     the same options keeps finished runs.
     """

@@ -45,15 +45,23 @@ class Section:
     charts: list[str] = field(default_factory=list)
 
 
-def provenance(suite: dict, full: bool = False) -> str:
-    """One line naming the machine, versions and command (``full``: OS and Python too)."""
+def provenance(suite: dict, full: bool = False, phase: str | tuple[str, ...] = ()) -> str:
+    """One line naming the machine, versions and command (``full``: OS and
+    Python too; ``phase``: the command(s) that ran those phases)."""
     m = suite["machine"]
     mem = f", {m['memory_bytes'] / GIB:.0f} GiB RAM" if "memory_bytes" in m else ""
     cpus = m.get("cpus_usable", m.get("cpu_count"))
     system = f"; {m['platform']}, Python {m['python']}" if full else ""
+    names = (phase,) if isinstance(phase, str) else phase
+    commands = []
+    for name in names or (None,):
+        command = " ".join(suite["phases"].get(name, {}).get("command", suite["command"]))
+        if command not in commands:
+            commands.append(command)
     return (f"Machine: {m.get('cpu', m['machine'])}, {cpus} CPUs{mem}, {m['device']}{system}; "
             f"mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mlx-edge0 {m['mlx_edge0']}. "
-            f"Command: `{' '.join(suite['command'])}`")  # fmt: skip
+            + ("Command: " if len(commands) == 1 else "Commands: ")
+            + "; ".join(f"`{c}`" for c in commands))  # fmt: skip
 
 
 def _summary(suite: dict, phase: str) -> Optional[dict]:
@@ -87,40 +95,59 @@ def noise_note(suite: dict) -> str:
                if shared else "The machine was mostly idle."))  # fmt: skip
 
 
+def headline_entries(suite: dict) -> list[tuple[str, dict, Optional[dict]]]:
+    """(label, edge0 or stock entry, its stock reference) of every cold run
+    the headline shows: the native-K arms, then the lower-K edge0 arms."""
+    rows = []
+    for phase in ("main", "low-k"):
+        summary = _summary(suite, phase)
+        if summary is None:
+            continue
+        stock = _entry(summary, "stock", "cold") or _entry(_summary(suite, "main"), "stock", "cold")
+        k = suite["phases"][phase]["k"]
+        for e in summary["arms"].values():
+            if e["cache"] != "cold" or (phase == "low-k" and e["arm"] == "stock"):
+                continue
+            label = arm_label(e["arm"]) + ("" if phase == "main" else f", K={k}")
+            rows.append((label, e, stock))
+    return rows
+
+
 def headline(suite: dict) -> Section:
     """Memory and decode of every edge0 arm against stock, cold page cache, with the target."""
-    main = _summary(suite, "main")
-    stock = _entry(main, "stock", "cold")
-    rows = []
-    for e in (main or {}).get("arms", {}).values():
-        if e["cache"] != "cold":
-            continue
-        rows.append([arm_label(e["arm"]), cell(stat(e, "peak_memory"), GIB, spread=False),
-                     cell(stat(e, "decode_tok_s"), digits=3),
-                     ratio(median(e, "decode_tok_s"), median(stock, "decode_tok_s")),
-                     cell(stat(e, "decode_vs_stock_paired")),
-                     cell(stat(e, "exposed_wait_ms_per_step", "metrics"), digits=1)])  # fmt: skip
+    entries = headline_entries(suite)
+    rows = [[label, cell(stat(e, "peak_memory"), GIB, spread=False),
+             cell(stat(e, "decode_tok_s"), digits=3),
+             ratio(median(e, "decode_tok_s"), median(stock, "decode_tok_s")),
+             cell(stat(e, "decode_vs_stock_paired")),
+             cell(stat(e, "exposed_wait_ms_per_step", "metrics"), digits=1)]
+            for label, e, stock in entries]  # fmt: skip
     headers = ["arm (cold page cache)", "peak MLX GiB", "decode tok/s", "× stock (medians)",
                "× stock (per round)", "exposed wait ms/step"]  # fmt: skip
-    section = Section("Headline", tables=[Table(headers, rows, provenance(suite))])
+    section = Section("Headline", tables=[Table(headers, rows, provenance(suite, phase=("main", "low-k")))])
+    if "low-k" in suite["phases"]:
+        section.text.append(
+            f"Rows with K={suite['phases']['low-k']['k']} route the prerouted layers with fewer experts "
+            "(a heads-file swap: another model than stock's, whose quality the recovery LoRA pays back); "
+            "stock always runs its native K.")
     target = TARGETS.get(suite["geometry"])
-    if target and stock is not None:
-        section.text.append(target_verdict(suite, main, stock, *target))
+    if target and any(stock is not None for _, _, stock in entries):
+        section.text.append(target_verdict(suite, entries, *target))
     return section
 
 
-def target_verdict(suite: dict, main: dict, stock: dict, gib: float, speed: float) -> str:
+def target_verdict(suite: dict, entries: list, gib: float, speed: float) -> str:
     """Which arms meet ≤ ``gib`` peak MLX memory at ≥ ``speed`` × stock decode."""
     met, best = [], None
-    for e in main["arms"].values():
-        if e["cache"] != "cold" or e["arm"] == "stock" or median(e, "peak_memory") is None:
+    for label, e, stock in entries:
+        if e["arm"] == "stock" or stock is None or median(e, "peak_memory") is None:
             continue
         mem = median(e, "peak_memory") / GIB
         x = median(e, "decode_vs_stock_paired") or median(e, "decode_tok_s") / median(stock, "decode_tok_s")
         if mem <= gib and x >= speed:
-            met.append(f"{arm_label(e['arm'])} ({mem:.2f} GiB, {x:.2f}×)")
+            met.append(f"{label} ({mem:.2f} GiB, {x:.2f}×)")
         if best is None or mem < best[1]:
-            best = (arm_label(e["arm"]), mem, x)
+            best = (label, mem, x)
     goal = (f"Target: peak MLX memory ≤ {gib} GiB at decode ≥ {speed}× stock (cold page cache; "
             "× stock = median of the per-round ratios)")
     scope = "" if not suite.get("layers") else (
@@ -128,6 +155,8 @@ def target_verdict(suite: dict, main: dict, stock: dict, gib: float, speed: floa
         "full model's verdict.")
     if met:
         return f"{goal}: **met** by {', '.join(met)}.{scope}"
+    if best is None:
+        return f"{goal}: no edge0 arm ran cold.{scope}"
     return (f"{goal}: **not met**. Lowest peak: {best[0]} at {best[1]:.2f} GiB, {best[2]:.2f}× stock; "
             f"see the per-step breakdown and profile below for where the time goes.{scope}")
 
@@ -146,17 +175,20 @@ def phase_section(suite: dict, name: str) -> Optional[Section]:
     if note:
         section.text.append(note)
     if name == "low-k":
-        section.text.append("× stock (medians) compares with the main phase's stock arm (native K, same "
-                            "page-cache state): stock cannot change K.")
+        section.text.append(
+            "Stock cannot change K: it runs its native K in these rounds (paired ratios)."
+            if any(e["arm"] == "stock" for e in summary["arms"].values()) else
+            "× stock (medians) compares with the main phase's stock arm (native K, same page-cache "
+            "state): stock cannot change K.")
     if name in ("main", "low-k"):
         reference = _summary(suite, "main") if name == "low-k" else None
         speed = speed_table(summary, reference)
-        section.tables += [Table(speed.headers, speed.rows, provenance(suite), speed.notes),
-                           Table(*_with_caption(memory_table(summary), suite))]
+        section.tables += [Table(speed.headers, speed.rows, provenance(suite, phase=name), speed.notes),
+                           Table(*_with_caption(memory_table(summary), suite, name))]
         section.charts += [throughput_chart(summary, phase["title"]), memory_chart(summary)]
     else:
         t = pressure_table(summary)
-        section.tables.append(Table(t.headers, t.rows, provenance(suite), t.notes))
+        section.tables.append(Table(t.headers, t.rows, provenance(suite, phase=name), t.notes))
         if name == "sweep":
             section.charts += sweep_charts(summary)
             section.text += sweep_optimum(summary)
@@ -183,8 +215,8 @@ def step_wait_chart(runs: list[dict], budget: float, title: str) -> Optional[str
                       "ms")
 
 
-def _with_caption(t: Table, suite: dict) -> tuple:
-    return t.headers, t.rows, provenance(suite), t.notes
+def _with_caption(t: Table, suite: dict, phase: str) -> tuple:
+    return t.headers, t.rows, provenance(suite, phase=phase), t.notes
 
 
 def throughput_chart(summary: dict, title: str) -> str:
@@ -264,12 +296,14 @@ def prerouter_section(suite: dict) -> Optional[Section]:
     pairs = [("main", "cold"), ("main", "warm"), ("sweep", "pressure"), ("low-k", "cold"),
              ("low-k", "warm"), ("low-k-pressure", "pressure")]  # fmt: skip
     budget = f"{suite['options']['cache_gib']:g}"
+    used = []
     for phase, cache in pairs:
         summary = _summary(suite, phase)
         od = _entry(summary, f"edge0-hot@{budget}", cache) or _entry(summary, "edge0-exact", cache)
         pr = _entry(summary, f"edge0-prerouter@{budget}", cache)
         if od is None or pr is None:
             continue
+        used.append(phase)
         w_od, w_pr = median(od, "exposed_wait_ms_per_step", "metrics"), median(pr, "exposed_wait_ms_per_step", "metrics")
         rows.append([
             str(suite["phases"][phase]["k"]), cache, arm_label(od["arm"]),
@@ -296,7 +330,7 @@ def prerouter_section(suite: dict) -> Optional[Section]:
         "each layer's gate, reads on a miss); "
         "prerouter = the heads' prediction routes the consumer layers and their reads start when the "
         "step opens. Warm-started (untrained) heads: the routing differs from stock by construction.",
-    ], tables=[Table(headers, rows, provenance(suite))])  # fmt: skip
+    ], tables=[Table(headers, rows, provenance(suite, phase=tuple(used)))])  # fmt: skip
 
 
 def profile_section(suite: dict) -> Optional[Section]:
@@ -314,7 +348,7 @@ def profile_section(suite: dict) -> Optional[Section]:
         section.tables.append(Table(
             ["function", "calls/token", "own ms/token", "cumulative ms/token"], rows,
             f"{arm_label(r['arm'])}: {r['decode_s_per_token'] * 1e3:.0f} ms/token profiled. "
-            + provenance(suite)))  # fmt: skip
+            + provenance(suite, phase="profile")))  # fmt: skip
     return section
 
 

@@ -9,8 +9,8 @@ arm order rotated per round) and render the report.
 Phases (``PHASES``):
 - ``main``: every arm at the native K, cold and warm page cache, with a warm
   second request per process.
-- ``low-k``: the edge0 arms at the lower K (stock cannot change K; its ``main``
-  numbers are the reference), cold and warm.
+- ``low-k``: the edge0 arms at the lower K, with stock (which cannot change K)
+  rotated in the same rounds so ratios to it are paired, cold and warm.
 - ``sweep``: exact, and the sweep arms at every budget, native K, under
   memory pressure (pages dropped before every decode step).
 - ``low-k-pressure``: exact, hot and prerouter at the lower K under pressure.
@@ -18,7 +18,10 @@ Phases (``PHASES``):
   time goes.
 
 Each phase's results file is rewritten after every run and kept when the suite
-is run again with the same options, so an interrupted suite resumes.
+is run again with the same options, so an interrupted suite resumes. Phases an
+earlier invocation ran into the same results directory (same geometry, depth
+and checkpoints) stay in ``suite.json`` with the command that ran them, so the
+phases of a long suite can be run one invocation at a time.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class SuiteOptions:
         budgets: the sweep's budgets (GiB).
         low_k: the lower K (heads are made for it); 0 skips the low-K phases.
         arms: the arms of ``main`` (the other phases take the edge0 ones among them).
+        low_k_arms: the arms of ``low-k`` (empty: those of ``main``).
         quantize_embeddings: synthesize with int4 embeddings and lm_head too
             (where mlx-lm's own predicate keeps them bf16).
         synth_overrides: text-config fields to change when synthesizing (tests).
@@ -74,6 +78,7 @@ class SuiteOptions:
     sweep_arms: tuple[str, ...] = ("edge0-hot", "edge0-prerouter")
     low_k: int = 4
     arms: tuple[str, ...] = ARMS
+    low_k_arms: tuple[str, ...] = ()
     caches: tuple[str, ...] = ("cold", "warm")
     phases: tuple[str, ...] = PHASES
     dtype: str = "float32"
@@ -88,7 +93,7 @@ class SuiteOptions:
         unknown = [p for p in self.phases if p not in PHASES]
         if unknown or not self.phases:
             raise ValueError(f"unknown or no phase(s) {unknown}; choose from {', '.join(PHASES)}")
-        bad = [a for a in self.arms + self.sweep_arms if a not in ARMS]
+        bad = [a for a in self.arms + self.sweep_arms + self.low_k_arms if a not in ARMS]
         if bad:
             raise ValueError(f"unknown arm(s) {bad} (give arms without @GiB); choose from {', '.join(ARMS)}")
         if any(a not in BUDGET_ARMS for a in self.sweep_arms):
@@ -155,8 +160,9 @@ def plan_phases(o: SuiteOptions, native_k: int) -> list[Phase]:
         "profile": Phase("profile", f"Where a decode step's time goes (cProfile, warm, K={native_k})", 0,
                          tuple(at(a, o.cache_gib) for a in PROFILE_ARMS if a in edge0), ("warm",), 1,
                          profile=True),
-        "low-k": Phase("low-k", f"Edge0 arms at K={low_k} (heads-file swap)", low_k,
-                       tuple(at(a, o.cache_gib) for a in edge0), o.caches, o.rounds, warm_prefill=True),
+        "low-k": Phase("low-k", f"Edge0 arms at K={low_k} (heads-file swap), stock at its native K", low_k,
+                       tuple(at(a, o.cache_gib) for a in (o.low_k_arms or o.arms)), o.caches, o.rounds,
+                       warm_prefill=True),
         "low-k-pressure": Phase("low-k-pressure", f"On-demand vs prerouter at K={low_k} under memory pressure",
                                 low_k, pressure, ("pressure",), o.rounds),
     }  # fmt: skip
@@ -243,7 +249,8 @@ def run_suite(
         "native_layers": text_config(source_config(SynthOptions(o.geometry)))["num_hidden_layers"],
         "native_k": k_native, "command": command, "machine": machine_info(),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(o).items()},
-        "checkpoints": checkpoints, "started": started, "phases": {},
+        "checkpoints": checkpoints, "started": started,
+        "phases": earlier_phases(out, o, checkpoints, {p.name for p in phases}, progress),
     }  # fmt: skip
     for i, phase in enumerate(phases):
         k = phase.k or k_native
@@ -257,11 +264,39 @@ def run_suite(
             memory_wait_s=o.memory_wait_s, resume=True,
         )  # fmt: skip
         results = run_bench(bench, command, progress)
-        suite["phases"][phase.name] = {**asdict(phase), "k": k, "results": results}
+        suite["phases"][phase.name] = {**asdict(phase), "k": k, "command": command, "results": results}
         suite["finished"] = time.time()
         write_json(out / "suite.json", suite)
     write_json(out / "suite.json", suite)
     return suite
+
+
+def earlier_phases(out: Path, o: SuiteOptions, checkpoints: dict, running: set[str],
+                   progress: Callable[[str], None]) -> dict:
+    """Phases of an earlier ``suite.json`` in ``out`` that this invocation does
+    not run, when it measured the same checkpoints (else none)."""
+    path = Path(out) / "suite.json"
+    if not path.is_file():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}
+    def identity(ck: dict) -> tuple:  # heads files come and go with K; the model does not
+        return (ck["stock"], ck["edge0"]["path"], ck["edge0"]["resident_bytes"], ck["edge0"]["expert_bytes"])
+
+    try:
+        same = (old["geometry"], old["layers"], identity(old["checkpoints"])) == (o.geometry, o.layers,
+                                                                                  identity(checkpoints))
+    except (KeyError, TypeError):
+        same = False
+    if not same:
+        return {}
+    kept = {name: {"command": old["command"], **p} for name, p in old.get("phases", {}).items()
+            if name not in running}  # fmt: skip
+    if kept:
+        progress(f"[suite] keeping phase(s) {', '.join(kept)} from {path}")
+    return kept
 
 
 def command_line() -> list[str]:
