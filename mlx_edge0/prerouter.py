@@ -240,7 +240,5 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
                 raise fail(f"heads.{owner}.{name} has shape {list(value.shape)}, "
                            f"expected {list(want[name].shape)}")
         head.load_weights(list(got.items()))
-        if mx.default_device() == mx.cpu:
-            head.hold_transposed()
         heads[owner] = head
     return spec, heads

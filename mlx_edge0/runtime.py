@@ -65,6 +65,9 @@ class StreamingRuntime:
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
         consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
+        if consumer_of and mx.default_device() == mx.cpu:
+            for head in heads.values():  # otherwise they stay unread until a forward uses them
+                head.hold_transposed()
         staged_layers = layers if options.staged else sorted(consumer_of.values())
         self.staged = {l: StagedSlots(self.store, l, options.staged_slots or self.k_of[l], pool_dtype)
                        for l in staged_layers}
@@ -150,7 +153,7 @@ class StreamingRuntime:
             "exact": self.exact.scratch.nbytes if self.exact.scratch else 0,
             "prerouter_heads": sum(
                 v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters())
-            ),
+            ) if self.prerouting is not None else 0,
         }
 
     def stats(self) -> dict:

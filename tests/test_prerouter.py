@@ -1,4 +1,4 @@
-"""Prerouter heads: warm start, files, validation (decode does not consume them yet)."""
+"""Prerouter heads: warm start, files, validation, prediction-as-routing at decode."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from click.testing import CliRunner
 
 import mlx_edge0
 from mlx_edge0.checkpoint import CheckpointError
 from mlx_edge0.cli import main
-from mlx_edge0.prerouter import PREROUTER_FILE, PrerouterSpec, init_heads, topk_onehot
+from mlx_edge0.prerouter import PREROUTER_FILE, PrerouterHead, PrerouterSpec, init_heads, save_heads, topk_onehot
 from mlx_edge0.streaming import StreamingMoE
 from mlx_edge0.tensorfile import read_header
 
@@ -51,6 +52,31 @@ def test_warm_started_head_is_the_next_router_on_the_current_hidden(converted, f
         assert mx.array_equal(got, h @ consumer.router_weight().T).item()
         # and that is the next router's own logits (exactly, up to its 8-bit matmul kernel)
         assert mx.allclose(got, consumer.router_logits(h).astype(mx.float32), atol=1e-4, rtol=1e-4).item()
+
+
+def test_heads_held_transposed_keep_their_values_and_files(with_heads):
+    path = with_heads("qwen3_moe")
+    model = mlx_edge0.load_model(path)
+    section = model.edge0_section
+    spec = PrerouterSpec.default(section.moe_layers, section.num_experts_per_tok)
+    g = section.experts
+    mx.random.seed(1)
+    x = mx.random.normal((1, g.hidden_size))
+    on = topk_onehot(mx.array([[0, 1]]), g.num_experts)
+    for head in model.edge0_runtime.heads.values():  # loaded on the CPU: held transposed
+        plain = PrerouterHead(g.hidden_size, g.num_experts, g.num_experts)
+        plain.load_weights([(k, mx.contiguous(v)) for k, v in tree_flatten(head.parameters())])
+        assert head.fc1.weight.shape == plain.fc1.weight.shape
+        assert memoryview(head.fc1.weight).strides == (4, 4 * head.fc1.weight.shape[0])  # [in, out] buffer
+        assert mx.array_equal(head.fc1.weight, plain.fc1.weight).item()
+        assert mx.allclose(head(x, on, on), plain(x, on, on), atol=1e-5, rtol=1e-5).item()
+    before = (path / PREROUTER_FILE).read_bytes()
+    save_heads(path, model.edge0_runtime.heads, spec)  # the file keeps the usual [out, in] layout
+    assert (path / PREROUTER_FILE).read_bytes() == before
+    # With the prerouter off the heads are validated but never read into memory.
+    off = mlx_edge0.load_model(path, prerouter=False)
+    assert off.stats()["resident_bytes"]["prerouter_heads"] == 0
+    assert memoryview(off.edge0_runtime.heads[section.moe_layers[0]].fc1.weight).strides[1] == 4
 
 
 def test_heads_init_writes_files_that_load_and_show(with_heads):

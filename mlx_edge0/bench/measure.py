@@ -261,6 +261,7 @@ def measure(spec: RunSpec) -> dict:
         record["decode_step_counters"] = per_step
         record["counters_per_token"] = {k: v / spec.decode_tokens for k, v in decode_counters.items()}
     if spec.warm_prefill:
+        cache = y = None  # the first request's state is released, as a finished request's is
         mx.reset_peak_memory()
         warm_s, _, cache, _ = request(spec.seed + 1)
         record.update(warm_prefill_s=warm_s, warm_prefill_tok_s=spec.prompt_tokens / warm_s,
