@@ -92,6 +92,13 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
                             "caches": tuple(phase["caches"])})  # fmt: skip
     run_bench(again, ["again"], progress=kept.append)
     assert sum("kept from" in line for line in kept) == 3
+    # Adding a cache state keeps the runs already made and measures only the new ones.
+    kept.clear()
+    run_bench(replace(again, arms=again.arms[:2], caches=("cold", "pressure")), ["again"], progress=kept.append)
+    assert sum("kept from" in line for line in kept) == 2 and sum(line.endswith("...") for line in kept) == 2
+    kept.clear()
+    run_bench(replace(again, decode_tokens=2, arms=again.arms[:1]), ["again"], progress=kept.append)
+    assert not any("kept from" in line for line in kept)  # measured differently: nothing kept
 
     # A later invocation of one phase keeps the earlier phases, each with its own command.
     later = run_suite(replace(options, phases=("profile",)), command=["edge0", "bench", "suite", "--later"],

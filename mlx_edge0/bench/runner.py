@@ -312,14 +312,20 @@ def _stderr_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+# Options that only say which runs to make: an earlier file that differs in
+# them still measured its runs the same way.
+SELECTING = ("resume", "arms", "caches")
+
+
 def _earlier_runs(options: BenchOptions) -> dict[tuple, dict]:
-    """Successful runs of an earlier results file made with the same options."""
+    """Successful runs of an earlier results file made with the same options
+    (it may have had other arms or cache states: e.g. a warm phase added later)."""
     if not options.resume or not Path(options.out).is_file():
         return {}
     earlier = json.loads(Path(options.out).read_text())
     now = json.loads(json.dumps(options.to_dict()))  # tuples as JSON has them
-    same = {k: v for k, v in earlier.get("options", {}).items() if k != "resume"}
-    if same != {k: v for k, v in now.items() if k != "resume"}:
+    same = {k: v for k, v in earlier.get("options", {}).items() if k not in SELECTING}
+    if same != {k: v for k, v in now.items() if k not in SELECTING}:
         return {}
     return {(r["round"], r["cache"], r["arm"]): r for r in earlier.get("runs", []) if r["ok"]}
 
