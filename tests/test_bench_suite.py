@@ -218,3 +218,17 @@ def test_summary_pairs_runs_by_round():
     note = agreement_note(summarize(runs))
     assert "equal stock's in every round: edge0-exact/cold." in note
     assert "edge0-prerouter/cold (1 of 2 rounds)" in note
+
+
+def test_noise_note_counts_a_busy_start_only_above_the_cpus():
+    """The previous run's own threads are still in the 1-min load average at a start."""
+    from mlx_edge0.bench.report import noise_note
+
+    def suite(loads):
+        runs = [{"ok": True, "loadavg_at_start": x, "available_memory_at_start": 20 * 2**30} for x in loads]
+        return {"machine": {"cpus_usable": 2}, "phases": {"main": {"results": {"runs": runs}}}}
+
+    idle = noise_note(suite([1.2, 1.6, 1.9]))
+    assert "median 1.60, max 1.90 on 2 CPUs" in idle and "mostly idle" in idle
+    assert "20.0 GiB" in idle
+    assert "shared with other work" in noise_note(suite([2.4, 2.6, 1.0]))

@@ -87,9 +87,13 @@ def noise_note(suite: dict) -> str:
     if not loads:
         return ""
     cpus = suite["machine"].get("cpus_usable", suite["machine"].get("cpu_count"))
-    shared = statistics.median(loads) > 0.5 * cpus
+    # Runs follow each other at once, so the 1-min average at a start still holds
+    # the previous run, which keeps one to two threads busy: only more than the
+    # machine's CPUs says something else was running.
+    shared = statistics.median(loads) > cpus
     return (f"Machine load at run start: 1-min load average median {statistics.median(loads):.2f}, "
-            f"max {max(loads):.2f} on {cpus} CPUs; available memory at least "
+            f"max {max(loads):.2f} on {cpus} CPUs (it includes the previous run's own threads); "
+            "available memory at least "
             f"{min(avail) / GIB:.1f} GiB. "
             + ("The machine was shared with other work during these runs: expect wide min–max ranges."
                if shared else "The machine was mostly idle."))  # fmt: skip
@@ -128,8 +132,9 @@ def headline(suite: dict) -> Section:
     if "low-k" in suite["phases"]:
         section.text.append(
             f"Rows with K={suite['phases']['low-k']['k']} route the prerouted layers with fewer experts "
-            "(a heads-file swap: another model than stock's, whose quality the recovery LoRA pays back); "
-            "stock always runs its native K.")
+            "per token (a heads-file swap, as in the paper's 35B tier): that computes another model than "
+            "stock's, whose quality these random-weight checkpoints cannot show (see QUALITY.md for a "
+            "trained model); stock always runs its native K.")
     target = TARGETS.get(suite["geometry"])
     if target and any(stock is not None for _, _, stock in entries):
         section.text.append(target_verdict(suite, entries, *target))
