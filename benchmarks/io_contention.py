@@ -19,6 +19,7 @@ import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -117,8 +118,6 @@ def main() -> None:
     if a.child:
         print(json.dumps(measure(a.child, a.checkpoint, a.seed)))
         return
-    import subprocess
-
     runs = []
     for rnd in range(a.rounds):
         for mode in MODES[rnd % 3:] + MODES[:rnd % 3]:
