@@ -18,7 +18,6 @@ import mmap
 import os
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import threading
@@ -28,16 +27,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlx_edge0.bench.measure import drop_page_cache
+from mlx_edge0.bench.runner import stats_of
+
 MODES = ("alone", "buffered", "direct")
 LOADS_PER_TOKEN = 320
 TOKENS = 5
-
-
-def drop(files: list[Path]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def experts_compute():
@@ -91,7 +86,7 @@ def measure(mode: str, ckpt: Path, seed: int) -> dict:
     files = sorted((ckpt / "experts").glob("*.safetensors"))
     token = experts_compute()
     token()
-    drop(files)
+    drop_page_cache(files)
     bundle = 1769472  # qwen3.5-35b-a3b: 4096-aligned
     threads, done = readers(mode, files, bundle, seed) if mode != "alone" else ([], [0])
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -129,8 +124,7 @@ def main() -> None:
     summary = {}
     for mode in MODES:
         rows = [r for r in runs if r["mode"] == mode]
-        summary[mode] = {k: {"median": statistics.median(r[k] for r in rows), "min": min(r[k] for r in rows),
-                             "max": max(r[k] for r in rows)} for k in ("compute_ms_per_token", "kernel_cpu_ms_per_token")}
+        summary[mode] = stats_of(rows, ("compute_ms_per_token", "kernel_cpu_ms_per_token"))
         c, k = summary[mode]["compute_ms_per_token"], summary[mode]["kernel_cpu_ms_per_token"]
         print(f"| {mode} | {c['median']:.0f} ({c['min']:.0f}–{c['max']:.0f}) | {k['median']:.0f} ({k['min']:.0f}–{k['max']:.0f}) |")
     if a.out:

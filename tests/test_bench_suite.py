@@ -15,7 +15,7 @@ from test_bench import SMALL
 from mlx_edge0.bench.charts import Bar, Point, hbar_chart, line_chart, nice_ticks, stacked_hbar_chart
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.measure import RunSpec
-from mlx_edge0.bench.report import inline_markdown, write_report
+from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
 from mlx_edge0.bench.tables import agreement_note
 from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, summarize
 from mlx_edge0.bench.suite import (
@@ -222,7 +222,6 @@ def test_summary_pairs_runs_by_round():
 
 def test_noise_note_counts_a_busy_start_only_above_the_cpus():
     """The previous run's own threads are still in the 1-min load average at a start."""
-    from mlx_edge0.bench.report import noise_note
 
     def suite(loads):
         runs = [{"ok": True, "loadavg_at_start": x, "available_memory_at_start": 20 * 2**30} for x in loads]

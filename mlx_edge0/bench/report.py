@@ -90,8 +90,9 @@ def noise_note(suite: dict) -> str:
     # Runs follow each other at once, so the 1-min average at a start still holds
     # the previous run, which keeps one to two threads busy: only more than the
     # machine's CPUs says something else was running.
-    shared = statistics.median(loads) > cpus
-    return (f"Machine load at run start: 1-min load average median {statistics.median(loads):.2f}, "
+    load = statistics.median(loads)
+    shared = load > cpus
+    return (f"Machine load at run start: 1-min load average median {load:.2f}, "
             f"max {max(loads):.2f} on {cpus} CPUs (it includes the previous run's own threads); "
             "available memory at least "
             f"{min(avail) / GIB:.1f} GiB. "

@@ -219,7 +219,8 @@ def _stat(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def _stats_of(records: list[dict], keys) -> dict:
+def stats_of(records: list[dict], keys) -> dict:
+    """Median, min and max of each key every record has."""
     return {k: _stat([r[k] for r in records]) for k in keys if records and all(k in r for r in records)}
 
 
@@ -244,12 +245,12 @@ def summarize(runs: list[dict]) -> dict:
     arms = {}
     for (arm, cache), rs in groups.items():
         ok = [r for r in rs if r["ok"]]
-        entry = {"arm": arm, "cache": cache, "runs": len(rs), "ok": len(ok), **_stats_of(ok, SUMMARY_METRICS)}
+        entry = {"arm": arm, "cache": cache, "runs": len(rs), "ok": len(ok), **stats_of(ok, SUMMARY_METRICS)}
         counters = [r["counters_per_token"] for r in ok if "counters_per_token" in r]
         if counters:
-            entry["counters_per_token"] = _stats_of(counters, counters[0])
+            entry["counters_per_token"] = stats_of(counters, counters[0])
         metrics = [run_metrics(r) for r in ok]
-        entry["metrics"] = _stats_of(metrics, metrics[0]) if metrics else {}
+        entry["metrics"] = stats_of(metrics, metrics[0]) if metrics else {}
         for reference in ("stock", "edge0-exact"):
             paired = [s[arm]["decode_tok_s"] / s[reference]["decode_tok_s"]
                       for (_, c), s in slots.items() if c == cache and arm in s and reference in s]  # fmt: skip
