@@ -2,7 +2,8 @@
 
 Times a token's worth of routed-expert compute (40 layers x 3 ``gather_qmm`` of
 8 experts of 512x2048, int4) alone, and beside 4 threads that read one token's
-worth of random cold expert bundles from a checkpoint (320 x 1.69 MiB), either
+worth of random cold expert bundles from a checkpoint (320 bundles: 1.69 MiB
+each on qwen3.5-35b-a3b), either
 buffered ``preadv`` into the destination or ``O_DIRECT`` into an aligned buffer
 plus a copy. Modes alternate, each round in a fresh page cache; medians
 (min-max) of the rounds, kernel CPU of the readers per token.
@@ -28,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_edge0.bench.measure import drop_page_cache
+from mlx_edge0.checkpoint import Edge0Section, read_config
 from mlx_edge0.bench.runner import stats_of
 
 MODES = ("alone", "buffered", "direct")
@@ -87,7 +89,8 @@ def measure(mode: str, ckpt: Path, seed: int) -> dict:
     token = experts_compute()
     token()
     drop_page_cache(files)
-    bundle = 1769472  # qwen3.5-35b-a3b: 4096-aligned
+    section = Edge0Section.from_config(read_config(ckpt))
+    bundle = section.experts.bundle_bytes + section.experts.pad_bytes(section.alignment)  # 4096-aligned
     threads, done = readers(mode, files, bundle, seed) if mode != "alone" else ([], [0])
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for t in threads:

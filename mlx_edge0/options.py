@@ -17,7 +17,7 @@ RUNTIME_KEY = "edge0_runtime"
 COMPUTE_DTYPES = ("auto", "native", "float32", "bfloat16", "float16")
 PREFILL_PATHS = ("auto", "whole-layer", "exact")
 HOT_POLICIES = ("lfu", "lru")
-PAGE_CACHE_POLICIES = ("keep", "drop-prefill")
+PAGE_CACHE_POLICIES = ("keep", "drop-prefill", "bypass")
 GIB = 1 << 30
 # "auto" hot cache: this share of available memory, at most this share of the experts.
 AUTO_CACHE_MEMORY_SHARE = 0.10
@@ -59,7 +59,11 @@ class Options:
             reclaims it under pressure; decode misses after a prompt then hit
             it); "drop-prefill" evicts whole-layer prefill reads once they are
             in our buffers, so a prompt does not pull the whole checkpoint
-            into the page cache (decode reads stay cached).
+            into the page cache (decode reads stay cached); "bypass" reads
+            every expert around the page cache (O_DIRECT / F_NOCACHE): for a
+            checkpoint that does not fit in memory, where the kernel's work
+            of caching reads that will be evicted unread competes with
+            compute for the CPU.
         prerouter: route prerouted layers with the heads' predictions when
             the checkpoint has heads (decode, per sequence); False = the
             on-demand paths (the A/B baseline).

@@ -44,7 +44,8 @@ class StreamingRuntime:
         # Set to a list to record (layer, routed expert ids) of every synced
         # MoE call, e.g. to compare cache policies on a real trace.
         self.routing_trace: Optional[list[tuple[int, list[int]]]] = None
-        self.store = ExpertStore(checkpoint_dir, section, options.io_threads, self.telemetry)
+        self.store = ExpertStore(checkpoint_dir, section, options.io_threads, self.telemetry,
+                                 bypass_page_cache=options.page_cache == "bypass")
         g = section.experts
         pool_dtype = self.pool_dtype = pool_scales_dtype(g, self.compute_dtype)
         k = section.num_experts_per_tok

@@ -19,11 +19,21 @@ Contract:
   header validated again before the next read, once no read is in flight on
   the old descriptor: a file restored by renaming a copy over it is picked
   up, a missing or broken one fails with its name and problem.
+- ``bypass_page_cache`` reads around the OS page cache: ``O_DIRECT`` on Linux
+  (the kernel needs block-aligned buffers, offsets and lengths and MLX's
+  buffers are not block-aligned, so each I/O thread reads aligned chunks into
+  its own page-aligned buffer and copies them into the rows), ``F_NOCACHE``
+  on macOS (no alignment needed: straight into the rows). For checkpoints that
+  do not fit in memory, where filling and reclaiming the page cache costs the
+  kernel CPU time the compute thread needs (see docs/design.md).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import sys
+import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +52,8 @@ from .telemetry import Telemetry
 from .tensorfile import DTYPES, MX_TO_CODE, TensorFileError, read_header
 
 IOV_MAX = 1024
+DIRECT_BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffers
+DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read (each I/O thread's bounce buffer)
 
 
 class ExpertReadError(OSError):
@@ -86,8 +98,10 @@ def plan_reads(
 class LayerFile:
     """One open, validated ``experts/layer_NNN.safetensors``."""
 
-    def __init__(self, path: Path, geometry: ExpertGeometry, alignment: int):
+    def __init__(self, path: Path, geometry: ExpertGeometry, alignment: int,
+                 bypass_page_cache: bool = False):
         self.path = path
+        self.bypass_page_cache = bypass_page_cache
         self.geometry = geometry
         header = read_header(path)
         parts = geometry.parts()
@@ -127,7 +141,8 @@ class LayerFile:
                 )
             offsets.append(start)
         self.offsets = offsets
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = open_for_reads(path, bypass_page_cache)
+        self.direct = bypass_page_cache and DIRECT_FLAG != 0
         opened = os.fstat(self.fd)
         self.identity = (opened.st_dev, opened.st_ino)
         self.in_flight: list[Future] = []  # reads that may still use ``fd``
@@ -147,6 +162,84 @@ class LayerFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
+
+
+def open_for_reads(path: Path, bypass_page_cache: bool) -> int:
+    """A read descriptor; with ``bypass_page_cache`` one whose reads skip the
+    OS page cache, or a :class:`TensorFileError` naming the file when its
+    filesystem (or this OS) cannot do that."""
+    if not bypass_page_cache:
+        return os.open(path, os.O_RDONLY)
+    if DIRECT_FLAG:
+        try:
+            return os.open(path, os.O_RDONLY | DIRECT_FLAG)
+        except OSError as e:
+            raise TensorFileError(
+                f"{path}: cannot open for direct reads (O_DIRECT: {e.strerror}); "
+                "its filesystem may not support them: use page_cache='keep'"
+            ) from None
+    if sys.platform == "darwin":
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
+        return fd
+    raise TensorFileError(f"{path}: this OS has no uncached reads; use page_cache='keep'")
+
+
+_bounce = threading.local()
+
+
+def _bounce_buffer() -> tuple[mmap.mmap, np.ndarray]:
+    """This I/O thread's page-aligned buffer for O_DIRECT reads."""
+    if getattr(_bounce, "size", 0) != DIRECT_CHUNK:
+        buffer = mmap.mmap(-1, DIRECT_CHUNK)
+        _bounce.size = DIRECT_CHUNK
+        _bounce.buffer = (buffer, np.frombuffer(buffer, np.uint8))
+    return _bounce.buffer
+
+
+def _pread_direct(fd: int, views: list[memoryview], offset: int, path: Path) -> int:
+    """Fill ``views`` with the bytes at ``offset`` through O_DIRECT: aligned
+    chunk reads into the thread's bounce buffer, each copied on into the views
+    (numpy copies without the GIL). A short read means a truncated file."""
+    buffer, chunk = _bounce_buffer()
+    targets = [np.frombuffer(v, np.uint8) for v in views]
+    total = sum(v.nbytes for v in views)
+    position = offset - offset % DIRECT_BLOCK
+    skip = offset - position
+    remaining = total
+    t, into = 0, 0  # next target and the byte in it
+    while remaining:
+        want = min(DIRECT_CHUNK, -(-(skip + remaining) // DIRECT_BLOCK) * DIRECT_BLOCK)
+        try:
+            n = os.preadv(fd, [memoryview(buffer)[:want]], position)
+        except OSError as e:
+            raise ExpertReadError(
+                e.errno, f"{path}: direct read of {total} bytes at offset {offset} failed: {e.strerror}"
+            ) from None
+        available = min(n - skip, remaining)
+        if available <= 0 or (available < remaining and n % DIRECT_BLOCK):
+            raise ExpertReadError(
+                f"{path}: short read {total - remaining + max(available, 0)}/{total} bytes at offset "
+                f"{offset} (the file is truncated or was replaced)"
+            )
+        source = skip
+        end = skip + available
+        while source < end:
+            m = min(targets[t].size - into, end - source)
+            np.copyto(targets[t][into : into + m], chunk[source : source + m])
+            source += m
+            into += m
+            if into == targets[t].size:
+                t, into = t + 1, 0
+        remaining -= available
+        position += n
+        skip = 0
+    return total
 
 
 def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: Path) -> int:
@@ -192,10 +285,10 @@ def convertible(src_code: str, dst_code: str) -> bool:
 
 def _read_run(fd: int, views: list[memoryview], offset: int, path: Path,
               conversions: list[tuple[memoryview, memoryview]], src_code: str, dst_code: str,
-              drop_pages: bool) -> int:
-    """I/O thread: one coalesced preadv, widen scales, optionally drop the
+              drop_pages: bool, direct: bool) -> int:
+    """I/O thread: one coalesced read, widen scales, optionally drop the
     range from the page cache. No MLX calls here."""
-    n = _preadv_exact(fd, views, offset, path)
+    n = (_pread_direct if direct else _preadv_exact)(fd, views, offset, path)
     for src, dst in conversions:
         _convert(src, dst, src_code, dst_code)
     if drop_pages:
@@ -252,11 +345,12 @@ class ExpertStore:
     """Reads routed experts of the MoE layers of one checkpoint."""
 
     def __init__(self, checkpoint_dir: Path | str, section: Edge0Section, io_threads: int = 4,
-                 telemetry: Optional[Telemetry] = None):
+                 telemetry: Optional[Telemetry] = None, bypass_page_cache: bool = False):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.geometry = section.experts
         self.alignment = section.alignment
         self.telemetry = telemetry or Telemetry()
+        self.bypass_page_cache = bypass_page_cache
         self.suspect = False  # a read failed: check every file before the next read
         self.layers: dict[int, LayerFile] = {}
         self._pools: tuple[ThreadPoolExecutor, ...] = ()
@@ -267,7 +361,7 @@ class ExpertStore:
                     raise TensorFileError(
                         f"{path}: expert file for MoE layer {layer} is missing"
                     )
-                self.layers[layer] = LayerFile(path, self.geometry, section.alignment)
+                self.layers[layer] = LayerFile(path, self.geometry, section.alignment, bypass_page_cache)
         except BaseException:
             self.close()
             raise
@@ -286,8 +380,8 @@ class ExpertStore:
         (the caller waits for them now) run on threads no read-ahead waits
         on. Call on the compute thread; returns at once.
         """
-        drop_pages = drop_pages and hasattr(os, "posix_fadvise")
         lf = self._layer_file(layer)
+        drop_pages = drop_pages and hasattr(os, "posix_fadvise") and not lf.bypass_page_cache
         pairs = sorted(zip((int(e) for e in ids), rows))
         if any(not 0 <= e < self.geometry.num_experts for e, _ in pairs):
             raise ValueError(f"layer {layer}: expert id out of range in {list(ids)}")
@@ -313,7 +407,7 @@ class ExpertStore:
                     views.append(pad)
             futures.append(pool.submit(
                 _read_run, lf.fd, views, run.offset, lf.path, conversions, src_code, dst_code,
-                drop_pages,
+                drop_pages, lf.direct,
             ))
         lf.track(futures)
         return ReadBatch(futures, len(pairs), self.telemetry, on_error=self._read_failed)
@@ -329,7 +423,7 @@ class ExpertStore:
                 if lf.replaced():
                     wait_all(lf.in_flight)  # then nothing reads the old descriptor
                     try:
-                        fresh = LayerFile(lf.path, self.geometry, self.alignment)
+                        fresh = LayerFile(lf.path, self.geometry, self.alignment, self.bypass_page_cache)
                     except TensorFileError as e:
                         raise ExpertReadError(f"{e} (reopening it after a failed read)") from None
                     lf.close()

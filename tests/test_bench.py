@@ -171,6 +171,16 @@ def test_runner_child_measures_stock_arm(small_ckpts):
     assert r["logits_finite"] and len(r["tokens"]) == 1 + 2 + 4
 
 
+def test_bypass_arm_decodes_the_same_tokens_as_the_cached_arm(converted):
+    """``ARM+bypass`` loads with page_cache="bypass": same routing, same bytes, same tokens."""
+    path = converted("qwen3_moe").edge0
+    runs = {arm: run_child(RunSpec(arm, path, 8, 4, "float32", 0), timeout_s=120)
+            for arm in ("edge0-exact", "edge0-exact+bypass")}  # fmt: skip
+    assert all(r["ok"] for r in runs.values()), [r.get("stderr_tail") for r in runs.values()]
+    assert runs["edge0-exact"]["tokens"] == runs["edge0-exact+bypass"]["tokens"]
+    assert runs["edge0-exact+bypass"]["counters_per_token"]["bytes_read"] > 0
+
+
 def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):
     path = small_ckpts["qwen3-30b-a3b"]
     opts = BenchOptions(

@@ -14,9 +14,9 @@ from test_bench import SMALL
 
 from mlx_edge0.bench.charts import Bar, Point, hbar_chart, line_chart, nice_ticks, stacked_hbar_chart
 from mlx_edge0.bench.commands import bench
-from mlx_edge0.bench.measure import RunSpec
+from mlx_edge0.bench.measure import RunSpec, arm_base, parse_arm
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
-from mlx_edge0.bench.tables import agreement_note
+from mlx_edge0.bench.tables import agreement_note, arm_label
 from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, summarize
 from mlx_edge0.bench.suite import (
     SuiteOptions,
@@ -125,6 +125,14 @@ def test_plan_phases_full_suite(tmp_path):
     assert plan["low-k"].arms == plan["main"].arms and plan["low-k"].k == 4
     custom = {p.name: p for p in plan_phases(replace(o, low_k_arms=("stock", "edge0-prerouter")), native_k=8)}
     assert custom["low-k"].arms == ("stock", "edge0-prerouter@0.5")
+    bypass = replace(o, arms=("stock", "edge0-exact+bypass", "edge0-prerouter+bypass"),
+                     sweep_arms=("edge0-prerouter+bypass",))  # fmt: skip
+    bypass_plan = {p.name: p for p in plan_phases(bypass, native_k=8)}
+    assert bypass_plan["main"].arms == ("stock", "edge0-exact+bypass", "edge0-prerouter+bypass@0.5")
+    assert bypass_plan["sweep"].arms[:3] == ("edge0-exact+bypass", "edge0-prerouter+bypass@0",
+                                             "edge0-prerouter+bypass@0.25")  # fmt: skip
+    assert bypass_plan["low-k-pressure"].arms == ("edge0-exact+bypass", "edge0-prerouter+bypass@0.5")
+    assert bypass_plan["profile"].arms == ("edge0-exact+bypass", "edge0-prerouter+bypass@0.5")
     assert plan["sweep"].caches == ("pressure",) and len(plan["sweep"].arms) == 1 + 2 * 5
     assert plan["low-k-pressure"].arms == ("edge0-exact", "edge0-hot@0.5", "edge0-prerouter@0.5")
     assert plan["profile"].profile and plan["profile"].caches == ("warm",)
@@ -149,10 +157,25 @@ def test_suite_options_reject_bad_input(tmp_path):
         SuiteOptions("ling-3.0-tiny", sweep_arms=("edge0-exact",), **base)
     with pytest.raises(ValueError, match="without @GiB"):
         SuiteOptions("ling-3.0-tiny", arms=("edge0-hot@1",), **base)
+    for arm in ("stock+bypass", "edge0-exact+uncached"):  # stock has no page-cache option
+        with pytest.raises(ValueError, match="unknown arm"):
+            SuiteOptions("ling-3.0-tiny", arms=(arm,), **base)
     with pytest.raises(ValueError, match="full_attention_interval"):
         SuiteOptions("qwen3.5-35b-a3b", layers=2, **base)
     result = CliRunner().invoke(bench, ["suite", "--geometry", "ling-3.0-tiny", "--phases", "main,x"])
     assert result.exit_code != 0 and "use a comma list of" in result.output
+    result = CliRunner().invoke(bench, ["suite", "--geometry", "ling-3.0-tiny", "--arms", "edge0-hot@1"])
+    assert result.exit_code != 0 and "the suite sets budgets itself" in result.output
+
+
+def test_arm_names_carry_a_page_cache_policy():
+    assert parse_arm("edge0-prerouter+bypass@0.5") == (
+        "edge0-prerouter", dict(staged=False, prefill="auto", prerouter=True, page_cache="bypass", cache_gib=0.5))
+    assert "page_cache" not in parse_arm("edge0-exact")[1]  # the Options default: keep
+    assert arm_base("edge0-hot+drop-prefill@1") == "edge0-hot" and arm_base("stock") == "stock"
+    assert arm_label("edge0-prerouter+bypass@0") == "edge0-prerouter, page cache bypass @ 0 GiB"
+    with pytest.raises(ValueError, match="budget 'x' is not a number"):
+        parse_arm("edge0-hot+bypass@x")
 
 
 def test_existing_checkpoint_of_another_model_is_refused(tmp_path):

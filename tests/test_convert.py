@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -155,7 +156,8 @@ def test_sigterm_mid_conversion_leaves_no_out(tmp_path, qwen):
     _, _, ref = qwen
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
-        import time
+        import faulthandler, signal, time
+        faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if exit hangs
         from mlx_edge0.conversions import converter as m
         real = m._write_layer
         def slow(*a, **k):
@@ -165,11 +167,19 @@ def test_sigterm_mid_conversion_leaves_no_out(tmp_path, qwen):
         m._write_layer = slow
         m.convert({str(ref)!r}, {str(out)!r}, m.ConvertOptions(show_progress=False))
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
     assert any(p.name.startswith(".out.edge0-tmp") for p in tmp_path.iterdir())
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        pytest.fail(f"no exit 60 s after SIGTERM; the child's stderr and stacks:\n{proc.communicate()[1]}")
+    proc.communicate()
     assert proc.returncode != 0
     assert _no_leftovers(tmp_path, "out")
 

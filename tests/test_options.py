@@ -19,7 +19,7 @@ from mlx_edge0.options import GIB, Options
         ("hot_policy", "fifo", "hot_policy must be one of lfu, lru"),
         ("staged_slots", -2, "staged_slots must be an integer >= 0"),
         ("prefill", "chunked", "prefill must be one of auto, whole-layer, exact"),
-        ("page_cache", "drop-all", "page_cache must be one of keep, drop-prefill"),
+        ("page_cache", "drop-all", "page_cache must be one of keep, drop-prefill, bypass"),
     ],
 )
 def test_invalid_options_are_refused(field, value, message):
@@ -47,5 +47,7 @@ def test_page_cache_policies_give_the_same_numbers(converted):
     path = converted("qwen3_moe").edge0
     x = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
     keep = mlx_edge0.load_model(path, prefill="whole-layer", page_cache="keep")(x)
-    drop = mlx_edge0.load_model(path, prefill="whole-layer", page_cache="drop-prefill")(x)
-    assert mx.array_equal(keep, drop).item()
+    for policy in ("drop-prefill", "bypass"):
+        for prefill in ("whole-layer", "exact"):
+            other = mlx_edge0.load_model(path, prefill=prefill, page_cache=policy)(x)
+            assert mx.array_equal(keep, other).item(), (policy, prefill)

@@ -14,7 +14,9 @@ import pytest
 
 import mlx_edge0
 from mlx_edge0.checkpoint import Edge0Section, expert_file, read_config
+from mlx_edge0 import store as store_module
 from mlx_edge0.store import ExpertReadError, ExpertStore, plan_reads
+from mlx_edge0.tensorfile import TensorFileError
 from mlx_edge0.streaming import StreamingMoE
 
 
@@ -28,23 +30,33 @@ def test_plan_reads_coalesces_adjacent_experts():
     assert plan_reads([], offsets, 100, 8) == []
 
 
-def _store(path, io_threads=2):
+def _store(path, io_threads=2, bypass_page_cache=False):
     section = Edge0Section.from_config(read_config(path))
-    return ExpertStore(path, section, io_threads=io_threads), section
+    store = ExpertStore(path, section, io_threads=io_threads, bypass_page_cache=bypass_page_cache)
+    return store, section
 
 
+@pytest.mark.parametrize("bypass", [False, True], ids=["buffered", "bypass"])
 @pytest.mark.parametrize("ids", [[0], [3, 4, 5, 6], [0, 2, 15], list(range(16))])
-def test_read_is_byte_exact(converted, ids):
+def test_read_is_byte_exact(converted, ids, bypass, monkeypatch):
+    # a bounce buffer smaller than a coalesced run: chunks cross parts and experts
+    monkeypatch.setattr(store_module, "DIRECT_CHUNK", 3 * store_module.DIRECT_BLOCK)
     path = converted("qwen3_moe").edge0
-    store, section = _store(path)
+    store, section = _store(path, bypass_page_cache=bypass)
     layer = section.moe_layers[1]
-    w = store.read(layer, ids)
     ref = mx.load(str(path / expert_file(layer)))
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        p = getattr(w, proj)
-        for part in ("weight", "scales", "biases"):
-            want = mx.stack([ref[f"experts.{e}.{proj}.{part}"] for e in ids])
-            assert mx.array_equal(getattr(p, part), want).item(), (proj, part)
+    for scales_dtype in (None, mx.float32):  # on-disk bf16, and widened by the I/O threads
+        w = store.read(layer, ids, scales_dtype)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            p = getattr(w, proj)
+            for part in ("weight", "scales", "biases"):
+                want = mx.stack([ref[f"experts.{e}.{proj}.{part}"] for e in ids])
+                if part != "weight" and scales_dtype is not None:
+                    want = want.astype(scales_dtype)
+                got = getattr(p, part)
+                assert got.dtype == want.dtype and mx.array_equal(got, want).item(), (proj, part)
+    store.telemetry.reset()
+    store.read(layer, ids)
     assert store.telemetry.current.expert_loads == len(ids)
     # bytes from disk: the bundles, plus alignment padding inside coalesced runs
     bundle = section.experts.bundle_bytes
@@ -93,11 +105,62 @@ def test_exact_path_vs_dequantized_fp32(converted, family):
     assert rel < 1e-5  # only summation order differs from fp64 math
 
 
-def test_truncated_file_during_reads_raises_in_caller(converted, tmp_path):
+@pytest.mark.skipif(not store_module.DIRECT_FLAG, reason="O_DIRECT is Linux's")
+def test_direct_reads_land_any_range_in_any_views(tmp_path, monkeypatch):
+    """Unaligned offsets and view sizes, chunks smaller than the range: the
+    bytes are the file's, exactly, and a range past the end is a short read."""
+    monkeypatch.setattr(store_module, "DIRECT_CHUNK", 2 * store_module.DIRECT_BLOCK)
+    data = np.random.default_rng(0).integers(0, 256, 50_000, dtype=np.uint8)
+    f = tmp_path / "bytes"
+    f.write_bytes(data.tobytes())
+    fd = store_module.open_for_reads(f, bypass_page_cache=True)
+    try:
+        for offset, sizes in [(0, [4096]), (1, [3]), (4095, [2, 9000, 1]), (12345, [1, 1, 20000]),
+                              (40000, [10000])]:
+            views = [memoryview(bytearray(n)) for n in sizes]
+            assert store_module._pread_direct(fd, views, offset, f) == sum(sizes)
+            got = np.concatenate([np.frombuffer(v, np.uint8) for v in views])
+            assert np.array_equal(got, data[offset : offset + sum(sizes)]), (offset, sizes)
+        with pytest.raises(ExpertReadError, match=r"bytes: short read 5000/10001 bytes at offset 45000"):
+            store_module._pread_direct(fd, [memoryview(bytearray(10001))], 45000, f)
+    finally:
+        os.close(fd)
+
+
+def test_bypass_opens_every_layer_file_uncached(converted):
+    store, section = _store(converted("qwen3_moe").edge0, bypass_page_cache=True)
+    try:
+        if store_module.DIRECT_FLAG:
+            import fcntl
+
+            for lf in store.layers.values():
+                assert fcntl.fcntl(lf.fd, fcntl.F_GETFL) & store_module.DIRECT_FLAG
+    finally:
+        store.close()
+
+
+def test_filesystem_without_direct_reads_fails_at_load_naming_the_file(converted, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & store_module.DIRECT_FLAG:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(store_module, "DIRECT_FLAG", os.O_DIRECT if hasattr(os, "O_DIRECT") else 0x4000)
+    monkeypatch.setattr(os, "open", no_direct)
+    path = converted("qwen3_moe").edge0
+    with pytest.raises(TensorFileError, match=r"layer_\d+\.safetensors: cannot open for direct reads "
+                                              r"\(O_DIRECT: Invalid argument\)"):
+        mlx_edge0.load_model(path, page_cache="bypass")
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["buffered", "bypass"])
+def test_truncated_file_during_reads_raises_in_caller(converted, tmp_path, bypass):
     src = converted("qwen3_moe").edge0
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
-    store, section = _store(path)
+    store, section = _store(path, bypass_page_cache=bypass)
     layer = section.moe_layers[0]
     f = path / expert_file(layer)
     os.truncate(f, f.stat().st_size // 2)

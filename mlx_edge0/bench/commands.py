@@ -9,7 +9,7 @@ from typing import Optional
 
 import click
 
-from .measure import ARMS, BUDGET_ARMS, DTYPES, parse_arm
+from .measure import ARMS, BUDGET_ARMS, DTYPES, arm_base, parse_arm
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .report import write_report
@@ -38,6 +38,23 @@ def _arms(ctx, param, value: str) -> tuple[str, ...]:
     if not items:
         raise click.BadParameter("no arms given")
     return items
+
+
+def _suite_arms(allow_empty: bool = False):
+    def parse(ctx, param, value: str) -> tuple[str, ...]:
+        items = tuple(v.strip() for v in value.split(",") if v.strip())
+        if not (items or allow_empty):
+            raise click.BadParameter("no arms given")
+        for arm in items:
+            if "@" in arm:
+                raise click.BadParameter(f"{arm!r}: the suite sets budgets itself (no @GiB)")
+            try:
+                parse_arm(arm)
+            except ValueError as e:
+                raise click.BadParameter(str(e)) from None
+        return items
+
+    return parse
 
 
 def _budgets(ctx, param, value: str) -> tuple[float, ...]:
@@ -85,7 +102,8 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--arms", default="stock,edge0-exact", show_default=True, callback=_arms,
-              help=f"Comma list of {', '.join(ARMS)}; hot/staged take a budget as ARM@GiB.")
+              help=f"Comma list of {', '.join(ARMS)}; edge0 arms may add a page-cache policy "
+                   "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB.")
 @click.option("--cache-gib", "budgets", default="", callback=_budgets,
               help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.")
 @click.option("--cache", "caches", default="cold,warm", show_default=True, callback=_csv(CACHES),
@@ -102,7 +120,7 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
     expanded = []
     for arm in arms:
-        if budgets and "@" not in arm and arm in BUDGET_ARMS:
+        if budgets and "@" not in arm and arm_base(arm) in BUDGET_ARMS:
             expanded += [f"{arm}@{b:g}" for b in budgets]
         else:
             expanded.append(arm)
@@ -134,12 +152,13 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
 @click.option("--budgets", default="0,0.25,0.5,1,2", show_default=True, callback=_budgets,
               help="The sweep's budgets (GiB).")
 @click.option("--sweep-arms", default="edge0-hot,edge0-prerouter", show_default=True,
-              callback=_csv(BUDGET_ARMS))
+              callback=_suite_arms(), help=f"Arms of the sweep: {', '.join(BUDGET_ARMS)}, maybe +PAGE_CACHE.")
 @click.option("--low-k", type=click.IntRange(min=0), default=4, show_default=True,
               help="The lower K (heads are written for it); 0 skips the low-K phases.")
-@click.option("--arms", default=",".join(ARMS), show_default=True, callback=_csv(ARMS),
-              help="Arms of the main phase (other phases take the edge0 ones among them).")
-@click.option("--low-k-arms", default="", callback=_csv(ARMS, allow_empty=True),
+@click.option("--arms", default=",".join(ARMS), show_default=True, callback=_suite_arms(),
+              help="Arms of the main phase (other phases take the edge0 ones among them); edge0 arms "
+                   "may add +PAGE_CACHE (e.g. edge0-prerouter+bypass).")
+@click.option("--low-k-arms", default="", callback=_suite_arms(allow_empty=True),
               help="Arms of the low-K phase [default: those of --arms].")
 @click.option("--cache", "caches", default="cold,warm", show_default=True, callback=_csv(("cold", "warm")),
               help="Page-cache states of the main and low-K phases.")

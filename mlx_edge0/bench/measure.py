@@ -46,14 +46,26 @@ STEP_COUNTERS = (
 )  # fmt: skip
 
 
+def arm_base(arm: str) -> str:
+    """``edge0-hot+bypass@0.5`` -> ``edge0-hot``."""
+    return arm.partition("@")[0].partition("+")[0]
+
+
 def parse_arm(arm: str) -> tuple[str, dict]:
-    """``edge0-hot@0.5`` -> ("edge0-hot", load options with cache_gib=0.5)."""
-    base, _, budget = arm.partition("@")
-    if base not in ARMS or (budget and base not in BUDGET_ARMS):
+    """``edge0-hot+bypass@0.5`` -> ("edge0-hot", load options with page_cache="bypass",
+    cache_gib=0.5): ``ARM[+PAGE_CACHE][@GiB]``."""
+    from ..options import PAGE_CACHE_POLICIES  # mlx is imported by the child only
+    name, _, budget = arm.partition("@")
+    base, _, page_cache = name.partition("+")
+    if (base not in ARMS or (budget and base not in BUDGET_ARMS)
+            or (page_cache and (base == "stock" or page_cache not in PAGE_CACHE_POLICIES))):
         raise ValueError(
-            f"unknown arm {arm!r}: use {', '.join(ARMS)} ({', '.join(BUDGET_ARMS)} may add @GiB)"
+            f"unknown arm {arm!r}: use {', '.join(ARMS)} (edge0 arms may add "
+            f"+{'|'.join(PAGE_CACHE_POLICIES)}, then {', '.join(BUDGET_ARMS)} may add @GiB)"
         )
     options = dict(ARM_OPTIONS.get(base, {}))
+    if page_cache:
+        options["page_cache"] = page_cache
     if budget:
         try:
             options["cache_gib"] = float(budget)

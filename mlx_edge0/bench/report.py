@@ -258,7 +258,7 @@ def _budget_points(summary: dict, key: str, scale: float = 1.0) -> dict[str, lis
     for e in summary["arms"].values():
         base, _, budget = e["arm"].partition("@")
         s = stat(e, key)
-        if s is None or (base in BUDGET_ARMS and not budget):
+        if s is None or (base.partition("+")[0] in BUDGET_ARMS and not budget):
             continue
         x = float(budget) if budget else 0.0
         series.setdefault(arm_label(base), []).append(

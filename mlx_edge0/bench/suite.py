@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import read_config, text_config
-from .measure import ARMS, BUDGET_ARMS, DTYPES, checkpoint_files
+from .measure import ARMS, BUDGET_ARMS, DTYPES, arm_base, checkpoint_files, parse_arm
 from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench, write_json
 from .synth import SynthOptions, source_config, synth_checkpoint, synthetic_origin
 
@@ -93,10 +93,13 @@ class SuiteOptions:
         unknown = [p for p in self.phases if p not in PHASES]
         if unknown or not self.phases:
             raise ValueError(f"unknown or no phase(s) {unknown}; choose from {', '.join(PHASES)}")
-        bad = [a for a in self.arms + self.sweep_arms + self.low_k_arms if a not in ARMS]
+        bad = [a for a in self.arms + self.sweep_arms + self.low_k_arms if not _suite_arm(a)]
         if bad:
-            raise ValueError(f"unknown arm(s) {bad} (give arms without @GiB); choose from {', '.join(ARMS)}")
-        if any(a not in BUDGET_ARMS for a in self.sweep_arms):
+            raise ValueError(
+                f"unknown arm(s) {bad} (give arms without @GiB); choose from {', '.join(ARMS)}, "
+                "edge0 ones may add +PAGE_CACHE"
+            )
+        if any(arm_base(a) not in BUDGET_ARMS for a in self.sweep_arms):
             raise ValueError(f"sweep arms take a budget: choose from {', '.join(BUDGET_ARMS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -141,15 +144,24 @@ class Phase:
     profile: bool = False
 
 
+def _suite_arm(arm: str) -> bool:
+    """An arm the suite can run at its budgets: ``ARM[+PAGE_CACHE]``, no ``@GiB``."""
+    try:
+        parse_arm(arm)
+    except ValueError:
+        return False
+    return "@" not in arm
+
+
 def plan_phases(o: SuiteOptions, native_k: int) -> list[Phase]:
     """The phases ``o`` asks for, in run order (native-K phases first: one heads swap)."""
     def at(arm: str, gib: float) -> str:
-        return f"{arm}@{gib:g}" if arm in BUDGET_ARMS else arm
+        return f"{arm}@{gib:g}" if arm_base(arm) in BUDGET_ARMS else arm
 
     edge0 = tuple(a for a in o.arms if a != "stock")
     low_k = o.low_k if 0 < o.low_k < native_k else 0
-    pressure = tuple(at(a, o.cache_gib) for a in PRESSURE_ARMS if a in edge0)
-    sweep = tuple(["edge0-exact"] if "edge0-exact" in edge0 else []) + tuple(
+    pressure = tuple(at(a, o.cache_gib) for a in edge0 if arm_base(a) in PRESSURE_ARMS)
+    sweep = tuple(a for a in edge0 if arm_base(a) == "edge0-exact") + tuple(
         at(a, b) for a in o.sweep_arms for b in o.budgets
     )
     plan = {
@@ -158,7 +170,7 @@ def plan_phases(o: SuiteOptions, native_k: int) -> list[Phase]:
         "sweep": Phase("sweep", f"Budget sweep under memory pressure, K={native_k}", 0, sweep,
                        ("pressure",), o.rounds),
         "profile": Phase("profile", f"Where a decode step's time goes (cProfile, warm, K={native_k})", 0,
-                         tuple(at(a, o.cache_gib) for a in PROFILE_ARMS if a in edge0), ("warm",), 1,
+                         tuple(at(a, o.cache_gib) for a in edge0 if arm_base(a) in PROFILE_ARMS), ("warm",), 1,
                          profile=True),
         "low-k": Phase("low-k", f"Edge0 arms at K={low_k} (heads-file swap), stock at its native K", low_k,
                        tuple(at(a, o.cache_gib) for a in (o.low_k_arms or o.arms)), o.caches, o.rounds,

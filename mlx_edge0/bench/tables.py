@@ -35,8 +35,10 @@ def _md_cell(text: str) -> str:
 
 
 def arm_label(arm: str) -> str:
-    base, _, budget = arm.partition("@")
-    return ARM_LABELS.get(base, base) + (f" @ {budget} GiB" if budget else "")
+    name, _, budget = arm.partition("@")
+    base, _, page_cache = name.partition("+")
+    return (ARM_LABELS.get(base, base) + (f", page cache {page_cache}" if page_cache else "")
+            + (f" @ {budget} GiB" if budget else ""))
 
 
 def stat(entry: Optional[dict], key: str, group: Optional[str] = None) -> Optional[dict]:
