@@ -74,6 +74,9 @@ def option_flags(f):
                      help="Decode through per-layer staged slots."),
         click.option("--staged-slots", default=Options.staged_slots, show_default=True,
                      help="Slots per staged buffer (0 = K)."),
+        click.option("--staged-window", default=Options.staged_window, show_default=True,
+                     help="Staged buffers the prerouted layers take in turn (0 = one per layer; "
+                          "N >= 3: N x K rows, reads about N-2 layers ahead)."),
         click.option("--prefill", type=click.Choice(PREFILL_PATHS), default=Options.prefill,
                      show_default=True, help="Prompt-chunk path."),
         click.option("--prerouter/--no-prerouter", default=Options.prerouter, show_default=True,

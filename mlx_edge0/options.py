@@ -19,6 +19,9 @@ PREFILL_PATHS = ("auto", "whole-layer", "exact")
 HOT_POLICIES = ("lfu", "lru")
 PAGE_CACHE_POLICIES = ("keep", "drop-prefill", "bypass")
 GIB = 1 << 30
+# A staged window needs one buffer per prerouted layer the host may build
+# ahead of compute (2) plus the one being filled.
+MIN_STAGED_WINDOW = 3
 # "auto" hot cache: this share of available memory, at most this share of the experts.
 AUTO_CACHE_MEMORY_SHARE = 0.10
 AUTO_CACHE_EXPERT_SHARE = 0.25
@@ -52,6 +55,13 @@ class Options:
         hot_policy: "lfu" (frequency with aging) or "lru".
         staged: decode through per-layer staged slots (one buffer of K rows each).
         staged_slots: slots per staged buffer (0 = the layer's K, one routed set).
+        staged_window: staged buffers of the prerouted layers. 0 = one per
+            prerouted layer, every fill starts when the step opens (the most
+            read-ahead; memory: prerouted layers x K rows). N >= 3 = N
+            buffers used in turn, layer order: a layer's fill starts when
+            the host reaches the prerouted layer N-2 before it, so reads run
+            about N-2 layers ahead of compute in N x K rows. For when memory,
+            not read time, is short.
         prefill: prompt-chunk path: "auto" (whole layer when the chunk routes
             to about every expert, else the decode fallback), "whole-layer",
             or "exact".
@@ -82,6 +92,7 @@ class Options:
     hot_policy: str = "lfu"
     staged: bool = False
     staged_slots: int = 0
+    staged_window: int = 0
     prefill: str = "auto"
     page_cache: str = "keep"
     prerouter: bool = True
@@ -104,6 +115,13 @@ class Options:
             raise ValueError(f"hot_policy must be one of {', '.join(HOT_POLICIES)}, got {self.hot_policy!r}")
         if not isinstance(self.staged_slots, int) or self.staged_slots < 0:
             raise ValueError(f"staged_slots must be an integer >= 0, got {self.staged_slots!r}")
+        if not isinstance(self.staged_window, int) or not (
+            self.staged_window == 0 or self.staged_window >= MIN_STAGED_WINDOW
+        ):
+            raise ValueError(
+                f"staged_window must be 0 (a buffer per prerouted layer) or an integer >= "
+                f"{MIN_STAGED_WINDOW}, got {self.staged_window!r}"
+            )
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"k must be an integer >= 0 (0 = the checkpoint's K), got {self.k!r}")
         if self.page_cache not in PAGE_CACHE_POLICIES:

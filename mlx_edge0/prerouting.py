@@ -21,11 +21,17 @@ that step; sequences that have one route with it, batched or alone.
 Prefill does not predict, but the heads run on each sequence's last prompt
 token (``lengths`` of a right-padded batch prompt are honoured), so the first
 decode step is already staged.
+
+With a staged window (``Options.staged_window`` = N) the routing is still
+decided when the step opens, but only the first N prerouted layers' fills
+start then; the others take the window's buffers in turn, each fill starting
+when the host reaches the prerouted layer ``HOST_AHEAD`` places before the
+buffer's next user, once that buffer's last reader has been computed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
@@ -34,13 +40,18 @@ from mlx_lm.models.cache import ArraysCache
 
 from .expert_math import expert_glu
 from .prerouter import PrerouterHead, topk_onehot
-from .staged import StagedSet
+from .options import MIN_STAGED_WINDOW
+from .staged import StagedSet, StagedSlots
 
 if TYPE_CHECKING:
     from .runtime import StreamingRuntime
     from .streaming import StreamingMoE
 
 SLOTS_PER_OWNER = 3  # one-hot at the last token, predicted logits, valid
+# Prerouted layers the host may build ahead of compute in a staged window:
+# refilling a buffer waits for its last reader, so the buffer refilled at a
+# layer is the one read this many prerouted layers before.
+HOST_AHEAD = MIN_STAGED_WINDOW - 1
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,8 @@ class Planned:
     inds: mx.array  # [B, 1, K]
     scores: mx.array  # [B, 1, K]
     ids: np.ndarray  # the unique routed experts over the batch (== the staged set)
-    staged: Optional[StagedSet]  # None: the set is computed on the on-demand path
+    staged: Optional[StagedSet] = None  # None: its fill has not started (a staged window)
+    slots: Optional[StagedSlots] = None  # the buffer it fills
 
 
 class Prerouting:
@@ -66,6 +78,9 @@ class Prerouting:
         self.blocks: dict[int, "StreamingMoE"] = {}
         self.state: Optional[ArraysCache] = None
         self.planned: dict[int, Planned] = {}
+        self.order: list[int] = []  # this step's planned consumers, in layer order
+        self.window = runtime.staged_window
+        self.window_user: dict[int, int] = {}  # window buffer -> consumer last staged into it
         self.partial: dict[int, tuple[mx.array, mx.array]] = {}  # consumer -> (valid [B], logits)
 
     def make_cache(self) -> ArraysCache:
@@ -82,13 +97,19 @@ class Prerouting:
         read) are dropped: their reads are let finish and their buffers
         forgotten, so no later fill keeps or copies rows that never landed.
         """
-        for consumer, planned in self.planned.items():
-            if planned.staged is not None:
-                planned.staged.reads.settle()
-                self.runtime.staged[consumer].invalidate()
+        for planned in self.planned.values():
+            self._drop(planned)
         self.state = state
         self.planned.clear()
+        self.order.clear()
+        self.window_user.clear()
         self.partial.clear()
+
+    @staticmethod
+    def _drop(planned: Planned) -> None:
+        if planned.staged is not None:
+            planned.staged.reads.settle()
+            planned.slots.invalidate()
 
     def begin_forward(self, length: int, x: Optional[mx.array] = None) -> None:
         """Turn the last step's predictions into routing and start the fills.
@@ -117,22 +138,48 @@ class Prerouting:
         if x is not None:
             mx.async_eval(x)
         inds_host, valid_host = np.array(inds_all), np.array(valid_all)
-        rt = self.runtime
         for j, consumer in enumerate(consumers):
             if not valid_host[j].any():
                 continue
             if not valid_host[j].all():  # mixed batch: gate for the rest, on demand
                 self.partial[consumer] = (valids[j], logits[j])
                 continue
-            ids = np.unique(inds_host[j])
-            slots = rt.staged[consumer]
-            if len(ids) > slots.slots:
-                slots.grow(len(ids))
-            staged = slots.stage(ids, rt.hot, fill_hot=False)
-            self.planned[consumer] = Planned(*routed[j], ids, staged)
+            self.planned[consumer] = Planned(*routed[j], np.unique(inds_host[j]))
+        self.order = sorted(self.planned)
+        for rank in range(min(len(self.order), len(self.window) or len(self.order))):
+            self._start(rank)
+
+    def _start(self, rank: int) -> Optional[Planned]:
+        """Start the fill of the ``rank``-th planned consumer (no-op when
+        started, taken or out of range)."""
+        if rank >= len(self.order) or (planned := self.planned.get(self.order[rank])) is None:
+            return None
+        if planned.staged is not None:
+            return planned
+        consumer = self.order[rank]
+        if self.window:
+            index = rank % len(self.window)
+            slots = self.window[index]
+            earlier = self.planned.pop(self.window_user.get(index, -1), None)
+            if earlier is not None:  # never taken this step: it loses the buffer
+                self._drop(earlier)
+            self.window_user[index] = consumer
+            slots.retarget(consumer)
+        else:
+            slots = self.runtime.staged[consumer]
+        if len(planned.ids) > slots.slots:
+            slots.grow(len(planned.ids))
+        planned = replace(planned, staged=slots.stage(planned.ids, self.runtime.hot, fill_hot=False), slots=slots)
+        self.planned[consumer] = planned
+        return planned
 
     def take(self, layer: int) -> Optional[Planned]:
-        return self.planned.pop(layer, None)
+        """This step's plan for ``layer`` (its fill started), or None."""
+        if layer not in self.planned:
+            return None
+        planned = self._start(self.order.index(layer))
+        del self.planned[layer]
+        return planned
 
     def mix(self, layer: int, gate_logits: mx.array) -> mx.array:
         """Router logits for a batch where only some sequences have a
@@ -146,8 +193,12 @@ class Prerouting:
     def experts(self, layer: int, x: mx.array, planned: Planned) -> mx.array:
         """Compute a prerouted layer from its staged buffer (waiting only for it)."""
         rt = self.runtime
-        slots = rt.staged[layer]
+        slots = planned.slots
         mx.async_eval(x)  # the compute thread runs everything up to here while the reads land
+        rank = self.order.index(layer)
+        if self.window and rank >= HOST_AHEAD:
+            # The buffer read HOST_AHEAD prerouted layers ago goes to its next user.
+            self._start(rank - HOST_AHEAD + len(self.window))
         try:
             planned.staged.reads.wait()
         except BaseException:

@@ -3,7 +3,7 @@
 It owns the expert store, the hot cache, the staged slots, the whole-layer
 loader and the telemetry, sizes them from :class:`Options` once, and picks a
 path per forward. Peak MLX memory during decode is resident weights + hot
-cache + staged slots + KV: all fixed at load, independent of the checkpoint's
+cache + staged slots (or window) + KV: all fixed at load, independent of the checkpoint's
 size and of generation length (MLX's buffer cache is capped so freed
 transients do not pile up).
 """
@@ -69,9 +69,14 @@ class StreamingRuntime:
         if consumer_of and mx.default_device() == mx.cpu:
             for head in heads.values():  # otherwise they stay unread until a forward uses them
                 head.hold_transposed()
-        staged_layers = layers if options.staged else sorted(consumer_of.values())
+        # Staged buffers: per layer (the staged path, and the prerouted layers
+        # without a window), or a window the prerouted layers take in turn.
+        window = min(options.staged_window, len(consumer_of))
+        staged_layers = layers if options.staged else ([] if window else sorted(consumer_of.values()))
         self.staged = {l: StagedSlots(self.store, l, options.staged_slots or self.k_of[l], pool_dtype)
                        for l in staged_layers}
+        self.staged_window = [StagedSlots(self.store, -1, options.staged_slots or spec.k, pool_dtype)
+                              for _ in range(window)]
         self.loader = WholeLayerLoader(self.store, layers, pool_dtype,
                                        drop_pages=options.page_cache == "drop-prefill")
         self.exact = ExactPath(self)
@@ -150,7 +155,7 @@ class StreamingRuntime:
     def resident_bytes(self) -> dict[str, int]:
         return {
             "hot": self.hot.nbytes if self.hot else 0,
-            "staged": sum(s.nbytes for s in self.staged.values()),
+            "staged": sum(s.nbytes for s in [*self.staged.values(), *self.staged_window]),
             "exact": self.exact.scratch.nbytes if self.exact.scratch else 0,
             "prerouter_heads": sum(
                 v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters())

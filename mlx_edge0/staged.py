@@ -12,6 +12,10 @@ nearly all of step t (at most the last layers are still computing, and their
 fills are needed last). One buffer instead of two halves the staged memory
 and removes the copies between buffers. The device-side slot table (expert
 id -> slot) turns routed indices into rows with a ``take``.
+
+A staged window (``Options.staged_window``) is a few of these buffers that
+the prerouted layers take in turn (:meth:`StagedSlots.retarget`), filled
+while the layers a couple of places before them compute.
 """
 
 from __future__ import annotations
@@ -129,6 +133,14 @@ class StagedSlots:
         self.slots = slots
         self.buffers = SlotBuffers(self.store.geometry, slots, self.buffers.scales_dtype)
         self.contents = np.full(slots, -1, np.int64)
+
+    def retarget(self, layer: int) -> None:
+        """Hold ``layer``'s experts from the next fill on (the buffers of a
+        staged window serve each prerouted layer in turn): other layers'
+        contents are never kept."""
+        if layer != self.layer:
+            self.layer = layer
+            self.invalidate()
 
     def invalidate(self) -> None:
         """Forget the contents (after a failed fill its rows are garbage)."""

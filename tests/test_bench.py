@@ -181,6 +181,21 @@ def test_bypass_arm_decodes_the_same_tokens_as_the_cached_arm(converted):
     assert runs["edge0-exact+bypass"]["counters_per_token"]["bytes_read"] > 0
 
 
+def test_window_arm_decodes_the_prerouter_arms_tokens_in_fewer_staged_rows():
+    """``edge0-prerouter-window`` is the prerouter with a staged window: same
+    tokens, fewer staged bytes (the default model has 5 prerouted layers)."""
+    from mlx_edge0.default_model import default_checkpoint
+
+    path = default_checkpoint()
+    runs = {arm: run_child(RunSpec(arm, path, 8, 6, "float32", 0), timeout_s=120)
+            for arm in ("edge0-prerouter@0", "edge0-prerouter-window@0")}  # fmt: skip
+    assert all(r["ok"] for r in runs.values()), [r.get("stderr_tail") for r in runs.values()]
+    pre, window = runs["edge0-prerouter@0"], runs["edge0-prerouter-window@0"]
+    assert pre["tokens"] == window["tokens"]
+    assert window["counters_per_token"]["prerouted"] == pre["counters_per_token"]["prerouted"] > 0
+    assert window["resident_bytes"]["staged"] * 5 == pre["resident_bytes"]["staged"] * 4
+
+
 def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):
     path = small_ckpts["qwen3-30b-a3b"]
     opts = BenchOptions(

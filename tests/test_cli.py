@@ -59,3 +59,16 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["generate", "--max-tokens", "4"])
     assert r.exit_code == 1
     assert f"{tmp_path / 'edge0' / 'config.json'} is missing" in r.output and "--model" in r.output
+
+
+def test_staged_window_flag_reaches_the_model_and_bad_values_fail_clearly():
+    staged = {}
+    for window in ("0", "3"):  # the default model has 5 prerouted layers
+        r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", window, "--stats"])
+        assert r.exit_code == 0, r.output
+        stats = json.loads(r.output[r.output.index("{"):])["edge0_stats"]
+        assert stats["prerouted"] > 0
+        staged[window] = stats["resident_bytes"]["staged"]
+    assert staged["3"] * 5 == staged["0"] * 3
+    r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", "2"])
+    assert r.exit_code == 1 and "staged_window must be 0 (a buffer per prerouted layer) or an integer >= 3" in r.output

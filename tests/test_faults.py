@@ -36,6 +36,7 @@ PATHS = {
     "staged+hot": dict(cache_gib=8 * BUNDLE_GIB, staged=True, prefill="exact", prerouter=False),
     "whole-layer": dict(cache_gib=0, prefill="whole-layer", prerouter=False),
     "prerouted": dict(cache_gib=0),
+    "prerouted, staged window": dict(cache_gib=0, staged_window=3),
 }
 
 

@@ -18,6 +18,8 @@ from mlx_edge0.options import GIB, Options
         ("cache_gib", "big", "cache_gib must be 'auto' or a number"),
         ("hot_policy", "fifo", "hot_policy must be one of lfu, lru"),
         ("staged_slots", -2, "staged_slots must be an integer >= 0"),
+        ("staged_window", 2, r"staged_window must be 0 \(a buffer per prerouted layer\) or an integer >= 3, got 2"),
+        ("staged_window", -1, "staged_window must be 0"),
         ("prefill", "chunked", "prefill must be one of auto, whole-layer, exact"),
         ("page_cache", "drop-all", "page_cache must be one of keep, drop-prefill, bypass"),
     ],

@@ -290,3 +290,54 @@ def test_prediction_state_lives_in_the_cache(with_heads, tmp_path):
     assert len(make_prompt_cache(off)) == len(model.layers)
     # with the prerouter off, mlx-lm builds the stock caches and honours max_kv_size
     assert type(make_prompt_cache(off, max_kv_size=16)[0]).__name__ == "RotatingKVCache"
+
+
+def _greedy_logprobs(model, ids: list[int], n: int) -> tuple[list[int], mx.array]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    steps = generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=make_prompt_cache(model))
+    tokens, logprobs = zip(*((int(t), lp) for t, lp in steps))
+    return list(tokens), mx.stack(logprobs)
+
+
+@pytest.mark.parametrize("cache_gib", [0, 0.001], ids=["no-hot", "hot"])
+def test_staged_window_computes_the_same_numbers_in_fewer_rows(cache_gib):
+    """The default model has 5 prerouted layers: a window of 3 buffers serves
+    them in turn, each refilled while the layers before its next user compute.
+    The numbers are exactly those of one buffer per layer, alone and batched."""
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_edge0.default_model import default_checkpoint
+
+    path = default_checkpoint()
+    tokenizer = load_tokenizer(path)
+    per_layer = mlx_edge0.load_model(path, cache_gib=cache_gib)
+    window = mlx_edge0.load_model(path, cache_gib=cache_gib, staged_window=3)
+    rt = window.edge0_runtime
+    assert len(rt.prerouting.consumer_of) == 5 and rt.staged == {} and len(rt.staged_window) == 3
+    assert window.stats()["resident_bytes"]["staged"] * 5 == per_layer.stats()["resident_bytes"]["staged"] * 3
+    ids = tokenizer.encode(PROMPTS[2])
+    want = _greedy_logprobs(per_layer, ids, 48)
+    window.reset_stats()
+    got = _greedy_logprobs(window, ids, 48)
+    assert got[0] == want[0] and mx.array_equal(got[1], want[1]).item()
+    s = window.stats()
+    assert s["prerouted"] % 5 == 0 and s["prerouted"] >= 5 * 47
+    assert s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+    consumers = sorted(rt.prerouting.consumer_of.values())  # buffers 0, 1 last served the 4th and 5th
+    assert [b.layer for b in rt.staged_window] == [consumers[3], consumers[4], consumers[2]]
+
+    prompts = [tokenizer.encode(p) for p in PROMPTS]  # a batch: unions larger than K grow the buffers
+    batched = [batch_generate(m, tokenizer, prompts, max_tokens=16, return_token_ids=True).token_ids
+               for m in (per_layer, window)]  # fmt: skip
+    assert [list(t) for t in batched[0]] == [list(t) for t in batched[1]]
+    assert window.stats()["staged_drops"] == 0
+
+
+def test_staged_window_with_fewer_prerouted_layers_is_one_buffer_each(with_heads):
+    path = with_heads("qwen3_next")  # 2 prerouted layers
+    model = mlx_edge0.load_model(path, staged_window=4)
+    assert len(model.edge0_runtime.staged_window) == 2
+    assert greedy(model, _prompt_ids(path), 20) == greedy(mlx_edge0.load_model(path), _prompt_ids(path), 20)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import click
 
-from .measure import ARMS, BUDGET_ARMS, DTYPES, arm_base, parse_arm
+from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .report import write_report
@@ -102,7 +102,7 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--arms", default="stock,edge0-exact", show_default=True, callback=_arms,
-              help=f"Comma list of {', '.join(ARMS)}; edge0 arms may add a page-cache policy "
+              help=f"Comma list of {', '.join(KNOWN_ARMS)}; edge0 arms may add a page-cache policy "
                    "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB.")
 @click.option("--cache-gib", "budgets", default="", callback=_budgets,
               help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.")

@@ -26,15 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter")
-BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter")
+ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter")  # the suite's default
+STAGED_WINDOW = 4  # the window arm's buffers: reads about two prerouted layers ahead
+KNOWN_ARMS = ARMS + ("edge0-prerouter-window",)
+BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter", "edge0-prerouter-window")
 # Load options per edge0 arm. Staged uses the routing of the current step;
-# hot, staged and prerouter take a hot-cache budget: ARM@GiB.
+# the window arm is the prerouter with STAGED_WINDOW shared staged buffers;
+# hot, staged and the prerouter arms take a hot-cache budget: ARM@GiB.
 ARM_OPTIONS = {
     "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact", prerouter=False),
     "edge0-hot": dict(staged=False, prefill="auto", prerouter=False),
     "edge0-staged": dict(staged=True, prefill="auto", prerouter=False),
     "edge0-prerouter": dict(staged=False, prefill="auto", prerouter=True),
+    "edge0-prerouter-window": dict(staged=False, prefill="auto", prerouter=True, staged_window=STAGED_WINDOW),
 }
 DTYPES = ("float32", "bfloat16", "float16", "native")
 WARMUP_STEPS = 2
@@ -57,10 +61,10 @@ def parse_arm(arm: str) -> tuple[str, dict]:
     from ..options import PAGE_CACHE_POLICIES  # mlx is imported by the child only
     name, _, budget = arm.partition("@")
     base, _, page_cache = name.partition("+")
-    if (base not in ARMS or (budget and base not in BUDGET_ARMS)
+    if (base not in KNOWN_ARMS or (budget and base not in BUDGET_ARMS)
             or (page_cache and (base == "stock" or page_cache not in PAGE_CACHE_POLICIES))):
         raise ValueError(
-            f"unknown arm {arm!r}: use {', '.join(ARMS)} (edge0 arms may add "
+            f"unknown arm {arm!r}: use {', '.join(KNOWN_ARMS)} (edge0 arms may add "
             f"+{'|'.join(PAGE_CACHE_POLICIES)}, then {', '.join(BUDGET_ARMS)} may add @GiB)"
         )
     options = dict(ARM_OPTIONS.get(base, {}))

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import read_config, text_config
-from .measure import ARMS, BUDGET_ARMS, DTYPES, arm_base, checkpoint_files, parse_arm
+from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, checkpoint_files, parse_arm
 from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench, write_json
 from .synth import SynthOptions, source_config, synth_checkpoint, synthetic_origin
 
@@ -96,7 +96,7 @@ class SuiteOptions:
         bad = [a for a in self.arms + self.sweep_arms + self.low_k_arms if not _suite_arm(a)]
         if bad:
             raise ValueError(
-                f"unknown arm(s) {bad} (give arms without @GiB); choose from {', '.join(ARMS)}, "
+                f"unknown arm(s) {bad} (give arms without @GiB); choose from {', '.join(KNOWN_ARMS)}, "
                 "edge0 ones may add +PAGE_CACHE"
             )
         if any(arm_base(a) not in BUDGET_ARMS for a in self.sweep_arms):

@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .measure import STAGED_WINDOW
+
 GIB, MB = 2**30, 1e6
-ARM_LABELS = {"edge0-staged": "edge0-staged (current-step routing)"}
+ARM_LABELS = {
+    "edge0-staged": "edge0-staged (current-step routing)",
+    "edge0-prerouter-window": f"edge0-prerouter, staged window of {STAGED_WINDOW}",
+}
 
 
 @dataclass(frozen=True)
