@@ -133,6 +133,10 @@ def test_plan_phases_full_suite(tmp_path):
                                              "edge0-prerouter+bypass@0.25")  # fmt: skip
     assert bypass_plan["low-k-pressure"].arms == ("edge0-exact+bypass", "edge0-prerouter+bypass@0.5")
     assert bypass_plan["profile"].arms == ("edge0-exact+bypass", "edge0-prerouter+bypass@0.5")
+    window = {p.name: p for p in plan_phases(replace(o, arms=("stock", "edge0-exact", "edge0-prerouter-window+bypass")),
+                                             native_k=8)}  # fmt: skip
+    assert window["profile"].arms == ("edge0-exact", "edge0-prerouter-window+bypass@0.5")
+    assert window["low-k-pressure"].arms == window["profile"].arms
     assert plan["sweep"].caches == ("pressure",) and len(plan["sweep"].arms) == 1 + 2 * 5
     assert plan["low-k-pressure"].arms == ("edge0-exact", "edge0-hot@0.5", "edge0-prerouter@0.5")
     assert plan["profile"].profile and plan["profile"].caches == ("warm",)
@@ -254,3 +258,18 @@ def test_noise_note_counts_a_busy_start_only_above_the_cpus():
     assert "median 1.60, max 1.90 on 2 CPUs" in idle and "mostly idle" in idle
     assert "20.0 GiB" in idle
     assert "shared with other work" in noise_note(suite([2.4, 2.6, 1.0]))
+
+
+def test_prerouted_arms_pair_with_the_on_demand_arm_of_their_page_cache_policy():
+    from mlx_edge0.bench.report import _prerouted_pairs
+
+    arms = ["edge0-exact", "edge0-exact+bypass", "edge0-prerouter@0", "edge0-prerouter+bypass@0",
+            "edge0-prerouter-window+bypass@0", "edge0-prerouter@0.5", "edge0-hot@0.5"]  # fmt: skip
+    summary = {"arms": {f"{a}/cold": {"arm": a, "cache": "cold"} for a in arms}}
+    summary["arms"]["edge0-prerouter@0/warm"] = {"arm": "edge0-prerouter@0", "cache": "warm"}
+    pairs = [(od["arm"], pr["arm"]) for od, pr in _prerouted_pairs(summary, "0", "cold")]
+    assert pairs == [("edge0-exact", "edge0-prerouter@0"), ("edge0-exact+bypass", "edge0-prerouter+bypass@0"),
+                     ("edge0-exact+bypass", "edge0-prerouter-window+bypass@0")]  # fmt: skip
+    assert [(od["arm"], pr["arm"]) for od, pr in _prerouted_pairs(summary, "0.5", "cold")] == [
+        ("edge0-hot@0.5", "edge0-prerouter@0.5")]
+    assert _prerouted_pairs(summary, "0", "warm") == []  # no on-demand arm ran warm

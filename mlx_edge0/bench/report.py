@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .charts import Bar, Point, hbar_chart, line_chart, stacked_hbar_chart
-from .measure import BUDGET_ARMS
+from .measure import BUDGET_ARMS, arm_base
 from .runner import summarize
 from .tables import (
     GIB,
@@ -35,6 +35,9 @@ from .tables import (
 # Acceptance targets on this project's reference machine: (peak MLX GiB, decode × stock).
 TARGETS = {"qwen3.5-35b-a3b": (2.5, 1.0), "ling-3.0-tiny": (1.0, 1.0)}
 PROFILE_ROWS = 10
+# Arms whose per-step exposed wait is charted (on-demand and prerouted).
+PREROUTED_ARMS = ("edge0-prerouter", "edge0-prerouter-window")
+STEP_WAIT_ARMS = ("edge0-exact", "edge0-hot") + PREROUTED_ARMS
 
 
 @dataclass
@@ -208,10 +211,12 @@ def phase_section(suite: dict, name: str) -> Optional[Section]:
 def step_wait_chart(runs: list[dict], budget: float, title: str) -> Optional[str]:
     """Exposed I/O wait of every decode step of one run (the first round) per
     on-demand / prerouter arm: the per-step view behind the medians."""
-    wanted = ("edge0-exact", f"edge0-hot@{budget:g}", f"edge0-prerouter@{budget:g}")
+    def wanted(arm: str) -> bool:  # any page-cache variant; budget arms at this budget
+        return arm_base(arm) in STEP_WAIT_ARMS and arm.partition("@")[2] in ("", f"{budget:g}")
+
     series = {}
     for r in runs:
-        if r.get("ok") and r["round"] == 0 and r["arm"] in wanted and r.get("decode_step_counters"):
+        if r.get("ok") and r["round"] == 0 and wanted(r["arm"]) and r.get("decode_step_counters"):
             steps = r["decode_step_counters"]
             series[f"{arm_label(r['arm'])} / {r['cache']}"] = [
                 Point(i + 1, s["exposed_wait_ms"]) for i, s in enumerate(steps)]
@@ -305,38 +310,57 @@ def prerouter_section(suite: dict) -> Optional[Section]:
     used = []
     for phase, cache in pairs:
         summary = _summary(suite, phase)
-        od = _entry(summary, f"edge0-hot@{budget}", cache) or _entry(summary, "edge0-exact", cache)
-        pr = _entry(summary, f"edge0-prerouter@{budget}", cache)
-        if od is None or pr is None:
-            continue
-        used.append(phase)
-        w_od, w_pr = median(od, "exposed_wait_ms_per_step", "metrics"), median(pr, "exposed_wait_ms_per_step", "metrics")
-        rows.append([
-            str(suite["phases"][phase]["k"]), cache, arm_label(od["arm"]),
-            cell(stat(od, "exposed_wait_ms_per_step", "metrics"), digits=1),
-            cell(stat(pr, "exposed_wait_ms_per_step", "metrics"), digits=1),
-            "-" if not w_od else f"{(1 - w_pr / w_od) * 100:.0f}%",
-            cell(stat(od, "decode_tok_s"), digits=3), cell(stat(pr, "decode_tok_s"), digits=3),
-            change(median(pr, "decode_tok_s"), median(od, "decode_tok_s")),
-            f"{cell(stat(od, 'loads_per_token', 'metrics'), digits=1, spread=False)} → "
-            f"{cell(stat(pr, 'loads_per_token', 'metrics'), digits=1, spread=False)}",
-            f"{cell(stat(od, 'mib_per_load', 'metrics'), spread=False)} → "
-            f"{cell(stat(pr, 'mib_per_load', 'metrics'), spread=False)}",
-            f"{cell(stat(od, 'bytes_per_token', 'metrics'), 1e6, 1, spread=False)} → "
-            f"{cell(stat(pr, 'bytes_per_token', 'metrics'), 1e6, 1, spread=False)}",
-            f"{cell(stat(od, 'peak_memory'), GIB, spread=False)} → {cell(stat(pr, 'peak_memory'), GIB, spread=False)}",
-        ])  # fmt: skip
+        for od, pr in _prerouted_pairs(summary, budget, cache):
+            if phase not in used:
+                used.append(phase)
+            rows.append(_prerouter_row(suite["phases"][phase]["k"], cache, od, pr))
     if not rows:
         return None
-    headers = ["K", "cache", "on-demand arm", "wait on-demand ms/step", "wait prerouter ms/step", "wait cut",
-               "tok/s on-demand", "tok/s prerouter", "tok/s change", "loads/token", "MiB/load",
+    headers = ["K", "cache", "on-demand arm", "prerouted arm", "wait on-demand ms/step", "wait prerouter ms/step",
+               "wait cut", "tok/s on-demand", "tok/s prerouter", "tok/s change", "loads/token", "MiB/load",
                "MB/token", "peak MLX GiB"]  # fmt: skip
     return Section(f"Prerouter vs on-demand (prerouter @ {budget} GiB)", text=[
-        "On-demand = edge0-hot at the same budget where the suite ran it, else edge0-exact (routes with "
-        "each layer's gate, reads on a miss); "
-        "prerouter = the heads' prediction routes the consumer layers and their reads start when the "
-        "step opens. Warm-started (untrained) heads: the routing differs from stock by construction.",
+        "On-demand = edge0-hot at the same budget and page-cache policy where the suite ran it, else "
+        "edge0-exact (routes with each layer's gate, reads on a miss); "
+        "prerouter = the heads' prediction routes the consumer layers and their reads start ahead of "
+        "them (when the step opens; with a staged window, two prerouted layers before). "
+        "Warm-started (untrained) heads: the routing differs from stock by construction.",
     ], tables=[Table(headers, rows, provenance(suite, phase=tuple(used)))])  # fmt: skip
+
+
+def _prerouted_pairs(summary: Optional[dict], budget: str, cache: str) -> list[tuple[dict, dict]]:
+    """(on-demand, prerouted) entries: every prerouted arm at ``budget``, each
+    with the on-demand arm of its own page-cache policy."""
+    pairs = []
+    for e in (summary or {}).get("arms", {}).values():
+        name, _, arm_budget = e["arm"].partition("@")
+        base, _, policy = name.partition("+")
+        if e["cache"] != cache or base not in PREROUTED_ARMS or arm_budget != budget:
+            continue
+        suffix = f"+{policy}" if policy else ""
+        od = _entry(summary, f"edge0-hot{suffix}@{budget}", cache) or _entry(summary, f"edge0-exact{suffix}", cache)
+        if od is not None:
+            pairs.append((od, e))
+    return pairs
+
+
+def _prerouter_row(k: int, cache: str, od: dict, pr: dict) -> list[str]:
+    w_od, w_pr = median(od, "exposed_wait_ms_per_step", "metrics"), median(pr, "exposed_wait_ms_per_step", "metrics")
+    return [
+        str(k), cache, arm_label(od["arm"]), arm_label(pr["arm"]),
+        cell(stat(od, "exposed_wait_ms_per_step", "metrics"), digits=1),
+        cell(stat(pr, "exposed_wait_ms_per_step", "metrics"), digits=1),
+        "-" if not w_od else f"{(1 - w_pr / w_od) * 100:.0f}%",
+        cell(stat(od, "decode_tok_s"), digits=3), cell(stat(pr, "decode_tok_s"), digits=3),
+        change(median(pr, "decode_tok_s"), median(od, "decode_tok_s")),
+        f"{cell(stat(od, 'loads_per_token', 'metrics'), digits=1, spread=False)} → "
+        f"{cell(stat(pr, 'loads_per_token', 'metrics'), digits=1, spread=False)}",
+        f"{cell(stat(od, 'mib_per_load', 'metrics'), spread=False)} → "
+        f"{cell(stat(pr, 'mib_per_load', 'metrics'), spread=False)}",
+        f"{cell(stat(od, 'bytes_per_token', 'metrics'), 1e6, 1, spread=False)} → "
+        f"{cell(stat(pr, 'bytes_per_token', 'metrics'), 1e6, 1, spread=False)}",
+        f"{cell(stat(od, 'peak_memory'), GIB, spread=False)} → {cell(stat(pr, 'peak_memory'), GIB, spread=False)}",
+    ]  # fmt: skip
 
 
 def profile_section(suite: dict) -> Optional[Section]:

@@ -13,9 +13,9 @@ Phases (``PHASES``):
   rotated in the same rounds so ratios to it are paired, cold and warm.
 - ``sweep``: exact, and the sweep arms at every budget, native K, under
   memory pressure (pages dropped before every decode step).
-- ``low-k-pressure``: exact, hot and prerouter at the lower K under pressure.
-- ``profile``: one cProfiled warm run of exact and prerouter: where a step's
-  time goes.
+- ``low-k-pressure``: exact, hot and the prerouter arms at the lower K under pressure.
+- ``profile``: one cProfiled warm run of exact and the prerouter arms: where a
+  step's time goes.
 
 Each phase's results file is rewritten after every run and kept when the suite
 is run again with the same options, so an interrupted suite resumes. Phases an
@@ -41,8 +41,8 @@ from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench,
 from .synth import SynthOptions, source_config, synth_checkpoint, synthetic_origin
 
 PHASES = ("main", "low-k", "sweep", "low-k-pressure", "profile")
-PRESSURE_ARMS = ("edge0-exact", "edge0-hot", "edge0-prerouter")
-PROFILE_ARMS = ("edge0-exact", "edge0-prerouter")
+PRESSURE_ARMS = ("edge0-exact", "edge0-hot", "edge0-prerouter", "edge0-prerouter-window")
+PROFILE_ARMS = ("edge0-exact", "edge0-prerouter", "edge0-prerouter-window")
 HEADS_TIMEOUT_S = 3600.0
 
 
