@@ -54,6 +54,7 @@ from .tensorfile import DTYPES, MX_TO_CODE, TensorFileError, read_header
 IOV_MAX = 1024
 DIRECT_BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffers
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read (each I/O thread's bounce buffer)
+DIRECT_FLAG = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS: F_NOCACHE instead)
 
 
 class ExpertReadError(OSError):
@@ -162,9 +163,6 @@ class LayerFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
 
 
 def open_for_reads(path: Path, bypass_page_cache: bool) -> int:

@@ -13,7 +13,7 @@ from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .report import write_report
-from .suite import PHASES, SuiteOptions, command_line, load_suite, quick as quick_options, run_suite
+from .suite import PHASES, SuiteOptions, check_suite_arm, command_line, load_suite, quick as quick_options, run_suite
 from .tables import markdown_table
 
 
@@ -46,10 +46,8 @@ def _suite_arms(allow_empty: bool = False):
         if not (items or allow_empty):
             raise click.BadParameter("no arms given")
         for arm in items:
-            if "@" in arm:
-                raise click.BadParameter(f"{arm!r}: the suite sets budgets itself (no @GiB)")
             try:
-                parse_arm(arm)
+                check_suite_arm(arm)
             except ValueError as e:
                 raise click.BadParameter(str(e)) from None
         return items

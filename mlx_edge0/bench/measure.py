@@ -50,17 +50,24 @@ STEP_COUNTERS = (
 )  # fmt: skip
 
 
+def split_arm(arm: str) -> tuple[str, str, str]:
+    """``edge0-hot+bypass@0.5`` -> ("edge0-hot", "bypass", "0.5"): ``ARM[+PAGE_CACHE][@GiB]``,
+    absent parts empty (not validated: see :func:`parse_arm`)."""
+    name, _, budget = arm.partition("@")
+    base, _, page_cache = name.partition("+")
+    return base, page_cache, budget
+
+
 def arm_base(arm: str) -> str:
     """``edge0-hot+bypass@0.5`` -> ``edge0-hot``."""
-    return arm.partition("@")[0].partition("+")[0]
+    return split_arm(arm)[0]
 
 
 def parse_arm(arm: str) -> tuple[str, dict]:
     """``edge0-hot+bypass@0.5`` -> ("edge0-hot", load options with page_cache="bypass",
     cache_gib=0.5): ``ARM[+PAGE_CACHE][@GiB]``."""
     from ..options import PAGE_CACHE_POLICIES  # mlx is imported by the child only
-    name, _, budget = arm.partition("@")
-    base, _, page_cache = name.partition("+")
+    base, page_cache, budget = split_arm(arm)
     if (base not in KNOWN_ARMS or (budget and base not in BUDGET_ARMS)
             or (page_cache and (base == "stock" or page_cache not in PAGE_CACHE_POLICIES))):
         raise ValueError(

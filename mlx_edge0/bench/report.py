@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .charts import Bar, Point, hbar_chart, line_chart, stacked_hbar_chart
-from .measure import BUDGET_ARMS, arm_base
+from .measure import BUDGET_ARMS, split_arm
 from .runner import summarize
 from .tables import (
     GIB,
@@ -212,7 +212,8 @@ def step_wait_chart(runs: list[dict], budget: float, title: str) -> Optional[str
     """Exposed I/O wait of every decode step of one run (the first round) per
     on-demand / prerouter arm: the per-step view behind the medians."""
     def wanted(arm: str) -> bool:  # any page-cache variant; budget arms at this budget
-        return arm_base(arm) in STEP_WAIT_ARMS and arm.partition("@")[2] in ("", f"{budget:g}")
+        base, _, arm_budget = split_arm(arm)
+        return base in STEP_WAIT_ARMS and arm_budget in ("", f"{budget:g}")
 
     series = {}
     for r in runs:
@@ -261,12 +262,12 @@ def wait_chart(summary: dict, title: str) -> str:
 def _budget_points(summary: dict, key: str, scale: float = 1.0) -> dict[str, list[Point]]:
     series: dict[str, list[Point]] = {}
     for e in summary["arms"].values():
-        base, _, budget = e["arm"].partition("@")
+        name, _, budget = e["arm"].partition("@")  # a series per arm and page-cache policy
         s = stat(e, key)
-        if s is None or (base.partition("+")[0] in BUDGET_ARMS and not budget):
+        if s is None or (split_arm(name)[0] in BUDGET_ARMS and not budget):
             continue
         x = float(budget) if budget else 0.0
-        series.setdefault(arm_label(base), []).append(
+        series.setdefault(arm_label(name), []).append(
             Point(x, s["median"] / scale, s["min"] / scale, s["max"] / scale))
     return series
 
@@ -333,8 +334,7 @@ def _prerouted_pairs(summary: Optional[dict], budget: str, cache: str) -> list[t
     with the on-demand arm of its own page-cache policy."""
     pairs = []
     for e in (summary or {}).get("arms", {}).values():
-        name, _, arm_budget = e["arm"].partition("@")
-        base, _, policy = name.partition("+")
+        base, policy, arm_budget = split_arm(e["arm"])
         if e["cache"] != cache or base not in PREROUTED_ARMS or arm_budget != budget:
             continue
         suffix = f"+{policy}" if policy else ""

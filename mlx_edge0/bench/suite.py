@@ -144,13 +144,20 @@ class Phase:
     profile: bool = False
 
 
+def check_suite_arm(arm: str) -> None:
+    """Raise ValueError unless the suite can run ``arm`` at its budgets:
+    ``ARM[+PAGE_CACHE]``, no ``@GiB``."""
+    if "@" in arm:
+        raise ValueError(f"{arm!r}: the suite sets budgets itself (no @GiB)")
+    parse_arm(arm)
+
+
 def _suite_arm(arm: str) -> bool:
-    """An arm the suite can run at its budgets: ``ARM[+PAGE_CACHE]``, no ``@GiB``."""
     try:
-        parse_arm(arm)
+        check_suite_arm(arm)
     except ValueError:
         return False
-    return "@" not in arm
+    return True
 
 
 def plan_phases(o: SuiteOptions, native_k: int) -> list[Phase]:

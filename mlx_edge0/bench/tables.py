@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .measure import STAGED_WINDOW
+from .measure import STAGED_WINDOW, split_arm
 
 GIB, MB = 2**30, 1e6
 ARM_LABELS = {
@@ -40,8 +40,7 @@ def _md_cell(text: str) -> str:
 
 
 def arm_label(arm: str) -> str:
-    name, _, budget = arm.partition("@")
-    base, _, page_cache = name.partition("+")
+    base, page_cache, budget = split_arm(arm)
     return (ARM_LABELS.get(base, base) + (f", page cache {page_cache}" if page_cache else "")
             + (f" @ {budget} GiB" if budget else ""))
 
