@@ -69,9 +69,10 @@ class Prerouting:
     """Owner heads, the bound per-sequence state, and the staged fills they drive."""
 
     def __init__(self, runtime: "StreamingRuntime", heads: dict[int, PrerouterHead],
-                 consumer_of: dict[int, int]):
+                 consumer_of: dict[int, int], heads_stream: Optional[mx.Stream] = None):
         self.runtime = runtime
         self.heads = heads
+        self.heads_stream = heads_stream  # None: the model's stream (``Options.heads_stream``)
         self.consumer_of = consumer_of
         self.owners = sorted(consumer_of)
         self.owner_of = {c: o for o, c in consumer_of.items()}
@@ -215,11 +216,20 @@ class Prerouting:
         return y
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
-        """Owner layers: run the head on each sequence's last token, keep its prediction."""
+        """Owner layers: run the head on each sequence's last token, keep its
+        prediction (on the heads' stream when they have one: nothing in this
+        step waits for it, the next step's opening sync does)."""
         head = self.heads.get(layer)
-        state = self.state
-        if head is None or state is None:
+        if head is None or self.state is None:
             return
+        if self.heads_stream is None:
+            self._predict(layer, head, x, inds)
+        else:
+            with mx.stream(self.heads_stream):
+                self._predict(layer, head, x, inds)
+
+    def _predict(self, layer: int, head: PrerouterHead, x: mx.array, inds: mx.array) -> None:
+        state = self.state
         B, L = x.shape[0], x.shape[1]
         s = self._slot(layer)
         num_experts = self.runtime.section.experts.num_experts
