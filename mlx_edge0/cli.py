@@ -15,7 +15,7 @@ import click
 from .bench.commands import bench
 from .serve import serve_command
 from .train.commands import train
-from .options import COMPUTE_DTYPES, HEADS_STREAMS, HOT_POLICIES, PAGE_CACHE_POLICIES, PREFILL_PATHS, Options
+from .options import COMPUTE_DTYPES, HOT_POLICIES, PAGE_CACHE_POLICIES, PREFILL_PATHS, Options
 
 
 def _fail(message: str) -> None:
@@ -81,9 +81,6 @@ def option_flags(f):
                      show_default=True, help="Prompt-chunk path."),
         click.option("--prerouter/--no-prerouter", default=Options.prerouter, show_default=True,
                      help="Route with the prerouter heads' predictions (when the checkpoint has heads)."),
-        click.option("--heads-stream", type=click.Choice(HEADS_STREAMS), default=Options.heads_stream,
-                     show_default=True,
-                     help="Where the prerouter heads compute ('auto': a stream of their own on the CPU)."),
         click.option("--k", "k", default=Options.k, show_default=True,
                      help="Experts per token on prerouted layers (0 = the checkpoint's K)."),
         click.option("--page-cache", type=click.Choice(PAGE_CACHE_POLICIES), default=Options.page_cache,

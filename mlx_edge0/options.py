@@ -18,7 +18,6 @@ COMPUTE_DTYPES = ("auto", "native", "float32", "bfloat16", "float16")
 PREFILL_PATHS = ("auto", "whole-layer", "exact")
 HOT_POLICIES = ("lfu", "lru")
 PAGE_CACHE_POLICIES = ("keep", "drop-prefill", "bypass")
-HEADS_STREAMS = ("auto", "own", "model")
 GIB = 1 << 30
 # A staged window needs one buffer per prerouted layer the host may build
 # ahead of compute (2) plus the one being filled.
@@ -78,12 +77,6 @@ class Options:
         prerouter: route prerouted layers with the heads' predictions when
             the checkpoint has heads (decode, per sequence); False = the
             on-demand paths (the A/B baseline).
-        heads_stream: where the prerouter heads compute: "own" = a stream
-            of their own, so they run beside the layers that follow them
-            (their predictions are needed only when the next step opens);
-            "model" = the model's stream, in layer order; "auto" = "own" on
-            the CPU (MLX runs each CPU stream on its own thread, and the
-            heads are work that stock mlx-lm does not do), "model" on a GPU.
         k: experts per token on the prerouted (consumer) layers, e.g. 8 -> 4.
             0 = the K the checkpoint's heads were made for (the native K
             without heads). Heads must match it (``edge0 heads init --k K``):
@@ -103,7 +96,6 @@ class Options:
     prefill: str = "auto"
     page_cache: str = "keep"
     prerouter: bool = True
-    heads_stream: str = "auto"
     k: int = 0
     lora: bool = True
 
@@ -136,10 +128,6 @@ class Options:
             raise ValueError(
                 f"page_cache must be one of {', '.join(PAGE_CACHE_POLICIES)}, got {self.page_cache!r}"
             )
-        if self.heads_stream not in HEADS_STREAMS:
-            raise ValueError(
-                f"heads_stream must be one of {', '.join(HEADS_STREAMS)}, got {self.heads_stream!r}"
-            )
         if self.prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
 
@@ -158,12 +146,6 @@ class Options:
         if name == "native":
             return None
         return getattr(mx, name)
-
-    def own_heads_stream(self) -> bool:
-        """Whether the heads get a stream of their own (see ``heads_stream``)."""
-        if self.heads_stream == "auto":
-            return mx.default_device() == mx.cpu
-        return self.heads_stream == "own"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

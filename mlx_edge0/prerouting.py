@@ -69,10 +69,9 @@ class Prerouting:
     """Owner heads, the bound per-sequence state, and the staged fills they drive."""
 
     def __init__(self, runtime: "StreamingRuntime", heads: dict[int, PrerouterHead],
-                 consumer_of: dict[int, int], heads_stream: Optional[mx.Stream] = None):
+                 consumer_of: dict[int, int]):
         self.runtime = runtime
         self.heads = heads
-        self.heads_stream = heads_stream  # None: the model's stream (``Options.heads_stream``)
         self.consumer_of = consumer_of
         self.owners = sorted(consumer_of)
         self.owner_of = {c: o for o, c in consumer_of.items()}
@@ -216,20 +215,11 @@ class Prerouting:
         return y
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
-        """Owner layers: run the head on each sequence's last token, keep its
-        prediction (on the heads' stream when they have one: nothing in this
-        step waits for it, the next step's opening sync does)."""
+        """Owner layers: run the head on each sequence's last token, keep its prediction."""
         head = self.heads.get(layer)
-        if head is None or self.state is None:
-            return
-        if self.heads_stream is None:
-            self._predict(layer, head, x, inds)
-        else:
-            with mx.stream(self.heads_stream):
-                self._predict(layer, head, x, inds)
-
-    def _predict(self, layer: int, head: PrerouterHead, x: mx.array, inds: mx.array) -> None:
         state = self.state
+        if head is None or state is None:
+            return
         B, L = x.shape[0], x.shape[1]
         s = self._slot(layer)
         num_experts = self.runtime.section.experts.num_experts

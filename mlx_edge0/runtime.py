@@ -85,8 +85,7 @@ class StreamingRuntime:
         self.whole_layer = WholeLayerPath(self)
         self.first_layer = layers[0]
         self.heads = heads
-        heads_stream = mx.new_stream(mx.default_device()) if consumer_of and options.own_heads_stream() else None
-        self.prerouting = Prerouting(self, self.heads, consumer_of, heads_stream) if consumer_of else None
+        self.prerouting = Prerouting(self, self.heads, consumer_of) if consumer_of else None
         # Set inside ``training_forward``: the whole-sequence training forward
         # (mlx_edge0.train.student) that routes and computes every MoE call.
         self.training_path = None
@@ -172,8 +171,6 @@ class StreamingRuntime:
             "peak_memory": mx.get_peak_memory(),
             "decode_path": self.decode.name,
             "prerouter": self.prerouting is not None,
-            "heads_stream": None if self.prerouting is None else (
-                "model" if self.prerouting.heads_stream is None else "own"),
         }
 
     def close(self) -> None:

@@ -72,12 +72,3 @@ def test_staged_window_flag_reaches_the_model_and_bad_values_fail_clearly():
     assert staged["3"] * 5 == staged["0"] * 3
     r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", "2"])
     assert r.exit_code == 1 and "staged_window must be 0 (a buffer per prerouted layer) or an integer >= 3" in r.output
-
-
-def test_heads_stream_flag_reaches_the_model():
-    for choice, where in (("model", "model"), ("own", "own"), ("auto", "own")):  # auto: own on the CPU
-        r = CliRunner().invoke(main, ["generate", "--max-tokens", "4", "--heads-stream", choice, "--stats"])
-        assert r.exit_code == 0, r.output
-        assert json.loads(r.output[r.output.index("{"):])["edge0_stats"]["heads_stream"] == where
-    r = CliRunner().invoke(main, ["generate", "--max-tokens", "4", "--heads-stream", "gpu"])
-    assert r.exit_code == 2 and "'gpu' is not one of 'auto', 'own', 'model'" in r.output

@@ -20,7 +20,6 @@ from mlx_edge0.options import GIB, Options
         ("staged_slots", -2, "staged_slots must be an integer >= 0"),
         ("staged_window", 2, r"staged_window must be 0 \(a buffer per prerouted layer\) or an integer >= 3, got 2"),
         ("staged_window", -1, "staged_window must be 0"),
-        ("heads_stream", "gpu", "heads_stream must be one of auto, own, model, got 'gpu'"),
         ("prefill", "chunked", "prefill must be one of auto, whole-layer, exact"),
         ("page_cache", "drop-all", "page_cache must be one of keep, drop-prefill, bypass"),
     ],

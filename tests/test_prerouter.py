@@ -341,30 +341,3 @@ def test_staged_window_with_fewer_prerouted_layers_is_one_buffer_each(with_heads
     model = mlx_edge0.load_model(path, staged_window=4)
     assert len(model.edge0_runtime.staged_window) == 2
     assert greedy(model, _prompt_ids(path), 20) == greedy(mlx_edge0.load_model(path), _prompt_ids(path), 20)
-
-
-def test_heads_on_their_own_stream_compute_the_same_numbers():
-    """The heads' stream changes where they run, not what they predict:
-    greedy logprobs alone and batched equal those of heads in layer order."""
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.utils import load_tokenizer
-
-    from mlx_edge0.default_model import default_checkpoint
-
-    path = default_checkpoint()
-    tokenizer = load_tokenizer(path)
-    own = mlx_edge0.load_model(path, heads_stream="own", staged_window=3)
-    shared = mlx_edge0.load_model(path, heads_stream="model", staged_window=3)
-    assert own.edge0_runtime.prerouting.heads_stream is not None
-    assert shared.edge0_runtime.prerouting.heads_stream is None
-    assert mlx_edge0.load_model(path).edge0_runtime.prerouting.heads_stream is not None  # auto, on the CPU
-    ids = tokenizer.encode(PROMPTS[1])
-    want = _greedy_logprobs(shared, ids, 40)
-    own.reset_stats()
-    got = _greedy_logprobs(own, ids, 40)
-    assert got[0] == want[0] and mx.array_equal(got[1], want[1]).item()
-    assert own.stats()["prerouted"] >= 5 * 39 and own.stats()["staged_drops"] == 0
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    batched = [batch_generate(m, tokenizer, prompts, max_tokens=12, return_token_ids=True).token_ids
-               for m in (shared, own)]  # fmt: skip
-    assert [list(t) for t in batched[0]] == [list(t) for t in batched[1]]

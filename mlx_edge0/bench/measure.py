@@ -28,13 +28,10 @@ from typing import Optional
 
 ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter")  # the suite's default
 STAGED_WINDOW = 4  # the window arm's buffers: reads about two prerouted layers ahead
-KNOWN_ARMS = ARMS + ("edge0-prerouter-window", "edge0-prerouter-window-model-heads")
-BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter", "edge0-prerouter-window",
-               "edge0-prerouter-window-model-heads")
+KNOWN_ARMS = ARMS + ("edge0-prerouter-window",)
+BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter", "edge0-prerouter-window")
 # Load options per edge0 arm. Staged uses the routing of the current step;
-# the window arm is the prerouter with STAGED_WINDOW shared staged buffers
-# (its heads on their own stream on the CPU, as by default; the model-heads
-# arm runs them on the model's stream, in layer order);
+# the window arm is the prerouter with STAGED_WINDOW shared staged buffers;
 # hot, staged and the prerouter arms take a hot-cache budget: ARM@GiB.
 ARM_OPTIONS = {
     "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact", prerouter=False),
@@ -42,8 +39,6 @@ ARM_OPTIONS = {
     "edge0-staged": dict(staged=True, prefill="auto", prerouter=False),
     "edge0-prerouter": dict(staged=False, prefill="auto", prerouter=True),
     "edge0-prerouter-window": dict(staged=False, prefill="auto", prerouter=True, staged_window=STAGED_WINDOW),
-    "edge0-prerouter-window-model-heads": dict(staged=False, prefill="auto", prerouter=True,
-                                               staged_window=STAGED_WINDOW, heads_stream="model"),
 }
 DTYPES = ("float32", "bfloat16", "float16", "native")
 WARMUP_STEPS = 2

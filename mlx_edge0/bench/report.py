@@ -36,7 +36,7 @@ from .tables import (
 TARGETS = {"qwen3.5-35b-a3b": (2.5, 1.0), "ling-3.0-tiny": (1.0, 1.0)}
 PROFILE_ROWS = 10
 # Arms whose per-step exposed wait is charted (on-demand and prerouted).
-PREROUTED_ARMS = ("edge0-prerouter", "edge0-prerouter-window", "edge0-prerouter-window-model-heads")
+PREROUTED_ARMS = ("edge0-prerouter", "edge0-prerouter-window")
 STEP_WAIT_ARMS = ("edge0-exact", "edge0-hot") + PREROUTED_ARMS
 
 
