@@ -4,8 +4,10 @@ Times a token's worth of routed-expert compute (40 layers x 3 ``gather_qmm`` of
 8 experts of 512x2048, int4) alone, and beside 4 threads that read one token's
 worth of random cold expert bundles from a checkpoint (320 bundles: 1.69 MiB
 each on qwen3.5-35b-a3b), either
-buffered ``preadv`` into the destination or ``O_DIRECT`` into an aligned buffer
-plus a copy. Modes alternate, each round in a fresh page cache; medians
+buffered ``preadv`` into the destination, ``O_DIRECT`` into an aligned buffer
+plus a copy (``direct``: rows that are not page-aligned), or ``O_DIRECT``
+straight into a page-aligned destination (``direct-in-place``: edge0's slot
+buffer rows). Modes alternate, each round in a fresh page cache; medians
 (min-max) of the rounds, kernel CPU of the readers per token.
 
     python benchmarks/io_contention.py CKPT --rounds 3 --out benchmarks/io-contention-qwen3.5-35b-a3b.json
@@ -32,7 +34,7 @@ from mlx_edge0.bench.measure import drop_page_cache
 from mlx_edge0.checkpoint import Edge0Section, read_config
 from mlx_edge0.bench.runner import stats_of
 
-MODES = ("alone", "buffered", "direct")
+MODES = ("alone", "buffered", "direct", "direct-in-place")
 LOADS_PER_TOKEN = 320
 TOKENS = 5
 
@@ -58,7 +60,7 @@ def experts_compute():
 def readers(mode: str, files: list[Path], bundle: int, seed: int) -> tuple[list[threading.Thread], list[int]]:
     """4 threads reading TOKENS tokens' worth of random bundles."""
     rng = random.Random(seed)
-    fds = [os.open(f, os.O_RDONLY | (os.O_DIRECT if mode == "direct" else 0)) for f in files]
+    fds = [os.open(f, os.O_RDONLY | (os.O_DIRECT if mode.startswith("direct") else 0)) for f in files]
     jobs = []
     for _ in range(TOKENS * LOADS_PER_TOKEN):
         i = rng.randrange(len(fds))
@@ -76,6 +78,8 @@ def readers(mode: str, files: list[Path], bundle: int, seed: int) -> tuple[list[
             if mode == "direct":
                 os.preadv(fd, [aligned], off)
                 dst[:] = np.frombuffer(aligned, np.uint8)
+            elif mode == "direct-in-place":
+                os.preadv(fd, [aligned], off)
             else:
                 os.preadv(fd, [memoryview(dst)], off)
             with lock:
@@ -118,7 +122,8 @@ def main() -> None:
         return
     runs = []
     for rnd in range(a.rounds):
-        for mode in MODES[rnd % 3:] + MODES[:rnd % 3]:
+        turn = rnd % len(MODES)
+        for mode in MODES[turn:] + MODES[:turn]:
             out = subprocess.run([sys.executable, __file__, str(a.checkpoint), "--child", mode, "--seed", str(rnd)],
                                  capture_output=True, text=True, check=True).stdout
             runs.append({**json.loads(out.strip().splitlines()[-1]), "round": rnd})

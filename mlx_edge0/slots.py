@@ -8,6 +8,10 @@ copy of a bundle beside the stacked view. Scales and biases are held in the
 compute dtype, converted once when a row is filled, so every ``gather_qmm``
 sees one dtype.
 
+Every part's rows start on a page boundary (:data:`PAGE`; MLX's own buffers
+start a few bytes past one), so uncached ``O_DIRECT`` reads of parts whose
+sizes are whole pages land in place instead of through a bounce buffer.
+
 Invariant: a row is only rewritten when no unevaluated graph still reads it.
 Every computation from the rows is recorded (:meth:`SlotBuffers.read_by`) and
 evaluated before a rewrite (:meth:`SlotBuffers.settle_readers`). In a decode
@@ -22,10 +26,30 @@ import math
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .checkpoint import ExpertGeometry
 from .expert_math import ExpertWeights, Projection
 from .tensorfile import DTYPES, MX_TO_CODE
+
+PAGE = 4096  # alignment of each part's data (and of O_DIRECT offsets, lengths, buffers)
+
+
+def address(view: memoryview) -> int:
+    """The address of a buffer's first byte."""
+    return np.frombuffer(view, np.uint8).ctypes.data
+
+
+def page_aligned_zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """Evaluated zeros whose data starts on a :data:`PAGE` boundary: a view
+    into a buffer one page larger."""
+    n = math.prod(shape)
+    flat = mx.zeros((n + PAGE // dtype.size,), dtype)
+    mx.eval(flat)
+    skip = (-address(memoryview(flat).cast("B"))) % PAGE // dtype.size
+    out = flat[skip : skip + n].reshape(shape)
+    mx.eval(out)
+    return out
 
 
 class SlotBuffers:
@@ -42,8 +66,7 @@ class SlotBuffers:
         self.arrays: list[mx.array] = []
         for _, part, dtype, shape in geometry.parts():
             dt = DTYPES[dtype][0] if part == "weight" else self.scales_dtype
-            self.arrays.append(mx.zeros((capacity, *shape), dtype=dt))
-        mx.eval(self.arrays)
+            self.arrays.append(page_aligned_zeros((capacity, *shape), dt))
         self._views = [memoryview(a).cast("B") for a in self.arrays]
         self.readers: list[mx.array] = []
         self.row_bytes = [v.nbytes // capacity for v in self._views]

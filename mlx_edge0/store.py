@@ -20,10 +20,12 @@ Contract:
   the old descriptor: a file restored by renaming a copy over it is picked
   up, a missing or broken one fails with its name and problem.
 - ``bypass_page_cache`` reads around the OS page cache: ``O_DIRECT`` on Linux
-  (the kernel needs block-aligned buffers, offsets and lengths and MLX's
-  buffers are not block-aligned, so each I/O thread reads aligned chunks into
-  its own page-aligned buffer and copies them into the rows), ``F_NOCACHE``
-  on macOS (no alignment needed: straight into the rows). For checkpoints that
+  (the kernel needs block-aligned buffers, offsets and lengths: a read
+  whose destinations are all whole pages, as the rows of slot buffers and
+  the I/O threads' widening scratch are when the tensors are, lands in
+  place; any other read goes through the I/O thread's page-aligned bounce
+  buffer and is copied on), ``F_NOCACHE`` on macOS (no alignment needed:
+  straight into the rows). For checkpoints that
   do not fit in memory, where filling and reclaiming the page cache costs the
   kernel CPU time the compute thread needs (see docs/design.md).
 """
@@ -47,13 +49,14 @@ import numpy as np
 
 from .checkpoint import Edge0Section, ExpertGeometry, expert_file, tensor_name
 from .expert_math import ExpertWeights
-from .slots import SlotBuffers
+from .slots import PAGE, SlotBuffers, address
 from .telemetry import Telemetry
 from .tensorfile import DTYPES, MX_TO_CODE, TensorFileError, read_header
 
 IOV_MAX = 1024
-DIRECT_BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffers
+DIRECT_BLOCK = PAGE  # O_DIRECT alignment of offsets, lengths and buffers
 DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT read (each I/O thread's bounce buffer)
+SCRATCH_KEEP = 1 << 20  # widening scratch an I/O thread keeps between reads
 DIRECT_FLAG = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS: F_NOCACHE instead)
 
 
@@ -189,6 +192,7 @@ def open_for_reads(path: Path, bypass_page_cache: bool) -> int:
 
 
 _bounce = threading.local()
+_scratch = threading.local()
 
 
 def _bounce_buffer() -> tuple[mmap.mmap, np.ndarray]:
@@ -198,6 +202,25 @@ def _bounce_buffer() -> tuple[mmap.mmap, np.ndarray]:
         _bounce.size = DIRECT_CHUNK
         _bounce.buffer = (buffer, np.frombuffer(buffer, np.uint8))
     return _bounce.buffer
+
+
+def _widening_scratch(nbytes: int) -> memoryview:
+    """A page-aligned buffer for on-disk scales and biases before they are
+    widened: this I/O thread's own (one read at a time per thread), or for a
+    read larger than it keeps (a whole-layer run), one of its own."""
+    if nbytes > SCRATCH_KEEP:
+        return memoryview(mmap.mmap(-1, nbytes))
+    if not hasattr(_scratch, "buffer"):
+        _scratch.buffer = memoryview(mmap.mmap(-1, SCRATCH_KEEP))
+    return _scratch.buffer[:nbytes]
+
+
+def _lands_in_place(views: list[memoryview], offset: int) -> bool:
+    """Whether an O_DIRECT read can fill ``views`` directly: every one a
+    whole number of blocks at a block-aligned address, from an aligned offset."""
+    return offset % DIRECT_BLOCK == 0 and all(
+        v.nbytes % DIRECT_BLOCK == 0 and address(v) % DIRECT_BLOCK == 0 for v in views
+    )
 
 
 def _pread_direct(fd: int, views: list[memoryview], offset: int, path: Path) -> int:
@@ -240,8 +263,10 @@ def _pread_direct(fd: int, views: list[memoryview], offset: int, path: Path) -> 
     return total
 
 
-def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: Path) -> int:
-    """preadv until every view is full; a short read means a truncated file."""
+def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: Path, direct: bool = False) -> int:
+    """preadv until every view is full; a short read means a truncated file
+    (with ``direct``, so does one that ends off a block: O_DIRECT could not
+    go on from there)."""
     total = sum(v.nbytes for v in views)
     done = 0
     pending = views
@@ -252,7 +277,8 @@ def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: Path) -> 
             raise ExpertReadError(
                 e.errno, f"{path}: read of {total} bytes at offset {offset} failed: {e.strerror}"
             ) from None
-        if n == 0:
+        if n == 0 or (direct and n % DIRECT_BLOCK and done + n < total):
+            done += n
             raise ExpertReadError(
                 f"{path}: short read {done}/{total} bytes at offset {offset} "
                 "(the file is truncated or was replaced)"
@@ -269,8 +295,7 @@ def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: Path) -> 
 def _convert(src: memoryview, dst: memoryview, src_code: str, dst_code: str) -> None:
     """Widen scales/biases into the compute dtype (exactly as ``astype`` would)."""
     if src_code == "BF16" and dst_code == "F32":
-        widened = np.frombuffer(src, np.uint16).astype(np.uint32)
-        np.left_shift(widened, 16, out=np.frombuffer(dst, np.uint32))
+        np.left_shift(np.frombuffer(src, np.uint16), 16, out=np.frombuffer(dst, np.uint32), dtype=np.uint32)
     elif src_code == "F16" and dst_code == "F32":
         np.frombuffer(dst, np.float32)[:] = np.frombuffer(src, np.float16)
     else:  # pragma: no cover - guarded by convertible()
@@ -281,12 +306,30 @@ def convertible(src_code: str, dst_code: str) -> bool:
     return src_code == dst_code or (src_code, dst_code) in (("BF16", "F32"), ("F16", "F32"))
 
 
-def _read_run(fd: int, views: list[memoryview], offset: int, path: Path,
-              conversions: list[tuple[memoryview, memoryview]], src_code: str, dst_code: str,
-              drop_pages: bool, direct: bool) -> int:
+def _read_run(fd: int, parts: list[tuple[memoryview, int]], offset: int, path: Path,
+              src_code: str, dst_code: str, drop_pages: bool, direct: bool) -> int:
     """I/O thread: one coalesced read, widen scales, optionally drop the
-    range from the page cache. No MLX calls here."""
-    n = (_pread_direct if direct else _preadv_exact)(fd, views, offset, path)
+    range from the page cache. No MLX calls here.
+
+    ``parts`` are the destinations in file order with their bytes on disk:
+    a destination of another size gets the disk bytes in this thread's
+    scratch, widened into it after the read."""
+    widened = sum(n for view, n in parts if view.nbytes != n)
+    scratch = _widening_scratch(widened) if widened else None
+    views, conversions, at = [], [], 0
+    for view, n in parts:
+        if view.nbytes != n:
+            src = scratch[at : at + n]
+            at += n
+            conversions.append((src, view))
+            view = src
+        views.append(view)
+    if not direct:
+        n = _preadv_exact(fd, views, offset, path)
+    elif _lands_in_place(views, offset):
+        n = _preadv_exact(fd, views, offset, path, direct=True)
+    else:
+        n = _pread_direct(fd, views, offset, path)
     for src, dst in conversions:
         _convert(src, dst, src_code, dst_code)
     if drop_pages:
@@ -384,28 +427,19 @@ class ExpertStore:
         if any(not 0 <= e < self.geometry.num_experts for e, _ in pairs):
             raise ValueError(f"layer {layer}: expert id out of range in {list(ids)}")
         src_code, dst_code = self.geometry.scales_dtype, target.scales_code
-        widen = src_code != dst_code
         part_bytes = lf.part_bytes
         pad = memoryview(self._pad)[: lf.stride - lf.bundle_bytes]
         max_run = max(1, IOV_MAX // (len(part_bytes) + 1))
         pool = self._pools[1 if urgent else 0]
         futures = []
         for run in plan_reads([e for e, _ in pairs], lf.offsets, lf.stride, max_run):
-            views, conversions = [], []
+            parts = []
             for j in range(len(run.ids)):
-                dest = target.row_views(pairs[run.first_row + j][1])
-                for k, (d, nb) in enumerate(zip(dest, part_bytes)):
-                    if widen and k % 3:  # scales, biases
-                        scratch = memoryview(bytearray(nb))
-                        conversions.append((scratch, d))
-                        views.append(scratch)
-                    else:
-                        views.append(d)
+                parts.extend(zip(target.row_views(pairs[run.first_row + j][1]), part_bytes))
                 if pad.nbytes and j < len(run.ids) - 1:
-                    views.append(pad)
+                    parts.append((pad, pad.nbytes))
             futures.append(pool.submit(
-                _read_run, lf.fd, views, run.offset, lf.path, conversions, src_code, dst_code,
-                drop_pages, lf.direct,
+                _read_run, lf.fd, parts, run.offset, lf.path, src_code, dst_code, drop_pages, lf.direct,
             ))
         lf.track(futures)
         return ReadBatch(futures, len(pairs), self.telemetry, on_error=self._read_failed)

@@ -127,6 +127,51 @@ def test_direct_reads_land_any_range_in_any_views(tmp_path, monkeypatch):
         os.close(fd)
 
 
+@pytest.mark.skipif(not store_module.DIRECT_FLAG, reason="O_DIRECT is Linux's")
+def test_direct_reads_of_whole_pages_land_in_place(tmp_path, monkeypatch):
+    """Destinations that are whole pages at page-aligned addresses (slot
+    buffer rows; the widening scratch) are filled by O_DIRECT itself, with no
+    bounce buffer; scales are widened from the scratch; reading past the end
+    of the file is a short read that names it."""
+    from mlx_edge0.slots import PAGE, address, page_aligned_zeros
+
+    def no_bounce(*args):
+        raise AssertionError("went through the bounce buffer")
+
+    monkeypatch.setattr(store_module, "_pread_direct", no_bounce)
+    data = np.random.default_rng(1).integers(0, 256, 10 * PAGE + 100, dtype=np.uint8)
+    f = tmp_path / "bytes"
+    f.write_bytes(data.tobytes())
+    weight = page_aligned_zeros((2 * PAGE // 4,), mx.uint32)  # two pages of uint32
+    scales = page_aligned_zeros((PAGE,), mx.float32)  # one page of bf16 on disk, widened
+    views = [memoryview(a).cast("B") for a in (weight, scales)]
+    assert all(address(v) % PAGE == 0 for v in views)
+    fd = store_module.open_for_reads(f, bypass_page_cache=True)
+    try:
+        parts = [(views[0], 2 * PAGE), (views[1], 2 * PAGE)]
+        assert store_module._read_run(fd, parts, PAGE, f, "BF16", "F32", False, True) == 4 * PAGE
+        assert np.array_equal(np.array(weight).view(np.uint8), data[PAGE : 3 * PAGE])
+        bf16 = data[3 * PAGE : 5 * PAGE].view(np.uint16).astype(np.uint32) << 16
+        assert np.array_equal(np.array(scales).view(np.uint32), bf16)
+        with pytest.raises(ExpertReadError, match=rf"bytes: short read {2 * PAGE + 100}/{4 * PAGE} bytes"):
+            store_module._read_run(fd, parts, 8 * PAGE, f, "BF16", "F32", False, True)
+    finally:
+        os.close(fd)
+
+
+def test_slot_buffer_parts_start_on_a_page(converted):
+    from mlx_edge0.slots import PAGE, SlotBuffers, address
+
+    store, _ = _store(converted("qwen3_moe").edge0)
+    try:
+        for capacity in (1, 3):
+            buffers = SlotBuffers(store.geometry, capacity, mx.float32)
+            assert all(address(memoryview(a).cast("B")) % PAGE == 0 for a in buffers.arrays)
+            assert [a.shape[0] for a in buffers.arrays] == [capacity] * 9
+    finally:
+        store.close()
+
+
 def test_bypass_opens_every_layer_file_uncached(converted):
     store, section = _store(converted("qwen3_moe").edge0, bypass_page_cache=True)
     try:
