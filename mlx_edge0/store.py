@@ -191,28 +191,26 @@ def open_for_reads(path: Path, bypass_page_cache: bool) -> int:
     raise TensorFileError(f"{path}: this OS has no uncached reads; use page_cache='keep'")
 
 
-_bounce = threading.local()
-_scratch = threading.local()
+_per_thread = threading.local()
 
 
-def _bounce_buffer() -> tuple[mmap.mmap, np.ndarray]:
-    """This I/O thread's page-aligned buffer for O_DIRECT reads."""
-    if getattr(_bounce, "size", 0) != DIRECT_CHUNK:
-        buffer = mmap.mmap(-1, DIRECT_CHUNK)
-        _bounce.size = DIRECT_CHUNK
-        _bounce.buffer = (buffer, np.frombuffer(buffer, np.uint8))
-    return _bounce.buffer
+def _thread_buffer(name: str, size: int) -> mmap.mmap:
+    """This I/O thread's page-aligned buffer ``name`` of ``size`` bytes, kept
+    between reads (a thread does one read at a time)."""
+    held = getattr(_per_thread, name, None)
+    if held is None or len(held) != size:
+        held = mmap.mmap(-1, size)
+        setattr(_per_thread, name, held)
+    return held
 
 
 def _widening_scratch(nbytes: int) -> memoryview:
     """A page-aligned buffer for on-disk scales and biases before they are
-    widened: this I/O thread's own (one read at a time per thread), or for a
-    read larger than it keeps (a whole-layer run), one of its own."""
+    widened: this I/O thread's own, or for a read larger than it keeps (a
+    whole-layer run), one of its own."""
     if nbytes > SCRATCH_KEEP:
         return memoryview(mmap.mmap(-1, nbytes))
-    if not hasattr(_scratch, "buffer"):
-        _scratch.buffer = memoryview(mmap.mmap(-1, SCRATCH_KEEP))
-    return _scratch.buffer[:nbytes]
+    return memoryview(_thread_buffer("scratch", SCRATCH_KEEP))[:nbytes]
 
 
 def _lands_in_place(views: list[memoryview], offset: int) -> bool:
@@ -227,7 +225,8 @@ def _pread_direct(fd: int, views: list[memoryview], offset: int, path: Path) -> 
     """Fill ``views`` with the bytes at ``offset`` through O_DIRECT: aligned
     chunk reads into the thread's bounce buffer, each copied on into the views
     (numpy copies without the GIL). A short read means a truncated file."""
-    buffer, chunk = _bounce_buffer()
+    buffer = _thread_buffer("bounce", DIRECT_CHUNK)
+    chunk = np.frombuffer(buffer, np.uint8)
     targets = [np.frombuffer(v, np.uint8) for v in views]
     total = sum(v.nbytes for v in views)
     position = offset - offset % DIRECT_BLOCK
