@@ -2,8 +2,8 @@
 inside the server process: one long streamed generation, then many sequential
 requests, then rounds of concurrent ones.
 
-The server runs as ``edge0 serve`` runs it (the checkpoint's runtime view with
-the options, ``--trust-remote-code``), but in a thread of this process, so
+The server runs as ``edge0 serve`` runs it (``mlx_edge0.pinned_server``: the
+stock server pinned to the checkpoint), but in a thread of this process, so
 MLX's counters (active, peak, buffer cache) and this process's RSS are the
 server's own. Requests go through the real ``openai`` client (test extra).
 Without ``--model`` a tiny qwen3_next checkpoint with prerouter heads and LoRA
@@ -75,18 +75,13 @@ def tiny_checkpoint(root: Path) -> Path:
     return ckpt
 
 
-def start_server(ckpt: Path, scratch: Path, port: int) -> str:
-    """The stock server on ``ckpt``'s runtime view, in a daemon thread."""
-    from mlx_lm import server
-
+def start_server(ckpt: Path, port: int) -> str:
+    """The server ``edge0 serve`` runs (pinned to ``ckpt``), in a daemon thread."""
     from mlx_edge0.options import Options
-    from mlx_edge0.serve import runtime_view, server_argv
+    from mlx_edge0.pinned_server import ServingSpec, serve
 
-    (scratch / "view").mkdir()
-    view = runtime_view(ckpt, Options(), scratch / "view")
-    argv = server_argv(view, "127.0.0.1", port, ["--log-level", "WARNING"])
-    sys.argv = ["mlx_lm.server", *argv[4:]]  # as `python -m mlx_lm server` hands them over
-    threading.Thread(target=server.main, daemon=True).start()
+    spec = ServingSpec(str(ckpt.resolve()), Options().to_dict(), "127.0.0.1", port, max_prompt_tokens=0)
+    threading.Thread(target=serve, args=(spec, ["--log-level", "WARNING"]), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -135,7 +130,7 @@ def run(args, command: str) -> dict:
     ckpt = args.model or tiny_checkpoint(scratch)
     eos = read_config(ckpt).get("eos_token_id")
     no_eos = {str(e): -100 for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-    url = start_server(ckpt, scratch, args.port)
+    url = start_server(ckpt, args.port)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="edge0", max_retries=0, timeout=3600)
     samples, tokens_total, requests = [], 0, 0
 

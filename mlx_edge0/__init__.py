@@ -2,7 +2,9 @@
 
 ``load(path, **options)`` returns what ``mlx_lm.load`` returns, for an edge0
 checkpoint (made by ``edge0 convert``); options are the fields of
-:class:`mlx_edge0.options.Options`.
+:class:`mlx_edge0.options.Options`. Neither ``load`` nor ``load_model``
+imports anything from the checkpoint: the model is built from this package
+once :func:`mlx_edge0.trust.check_code` has passed (see that module).
 """
 
 from __future__ import annotations
@@ -16,18 +18,27 @@ __version__ = "0.1.0"
 __all__ = ["load", "load_model", "Options", "__version__"]
 
 
-def _model_config(options: dict[str, Any]) -> dict[str, Any]:
-    return {RUNTIME_KEY: Options(**options).to_dict()}
+def _load_checked(path: str | Path, options: dict[str, Any]) -> tuple[Any, dict, Path]:
+    """(model, config, checkpoint dir) after the trust check and the edge0
+    section and resident header checks (MLX's own error for a truncated
+    file names no file)."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
 
-
-def _check(path: str | Path) -> None:
-    """The edge0 section and the resident file's header, before mlx-lm reads
-    anything (MLX's own error for a truncated file names no file)."""
     from .checkpoint import RESIDENT_FILE, Edge0Section, read_config
+    from .plugin import model_classes
     from .tensorfile import read_header
+    from .trust import check_code
 
-    Edge0Section.from_config(read_config(path), Path(path) / "config.json")
-    read_header(Path(path) / RESIDENT_FILE)
+    directory = check_code(path)
+    Edge0Section.from_config(read_config(directory), directory / "config.json")
+    read_header(directory / RESIDENT_FILE)
+    # ``model_file: None`` keeps mlx-lm from importing the checkpoint's shim;
+    # the classes come from this package, bound to the checked directory.
+    model_config = {"model_file": None, RUNTIME_KEY: Options(**options).to_dict()}
+    model, config = mlx_lm_load_model(
+        directory, model_config=model_config, get_model_classes=model_classes(directory)
+    )
+    return model, config, directory
 
 
 def load(path: str | Path, **options: Any):
@@ -35,18 +46,12 @@ def load(path: str | Path, **options: Any):
 
     Keyword arguments are :class:`Options` fields (e.g. ``compute_dtype``).
     """
-    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import load_tokenizer
 
-    _check(path)
-    return mlx_lm_load(str(path), model_config=_model_config(options), trust_remote_code=True)
+    model, config, directory = _load_checked(path, options)
+    return model, load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
 
 
 def load_model(path: str | Path, **options: Any):
     """Load only the model of an edge0 checkpoint (no tokenizer needed)."""
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
-    _check(path)
-    model, _ = mlx_lm_load_model(
-        Path(path), model_config=_model_config(options), trust_remote_code=True
-    )
-    return model
+    return _load_checked(path, options)[0]

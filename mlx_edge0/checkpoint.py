@@ -186,6 +186,8 @@ def read_config(path: Path | str) -> dict:
             config = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{file}: not found") from None
+    except OSError as e:  # permissions, a directory, I/O errors
+        raise CheckpointError(f"{file}: cannot be read ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(config, dict) or "model_type" not in config:

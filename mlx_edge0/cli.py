@@ -127,14 +127,20 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: flo
     from .tensorfile import TensorFileError
 
     options = _options(**option_fields)
+    if max_tokens < 1:
+        _fail(f"--max-tokens must be at least 1, got {max_tokens}")
+    if not prompt:
+        _fail("--prompt is empty: give the model at least one character to continue")
     try:
         if model_path is None:
             from .default_model import ensure_default_model
 
             model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
         model, tokenizer = load(model_path, **options.to_dict())
-    except (CheckpointError, TensorFileError, ValueError, FileNotFoundError) as e:
+    except (CheckpointError, TensorFileError, ValueError) as e:
         _fail(str(e))
+    except OSError as e:  # e.g. a tokenizer file that cannot be read
+        _fail(f"{e.filename or model_path}: cannot be read ({e.strerror or e})")
     if seed is not None:
         mx.random.seed(seed)
     if chat and tokenizer.chat_template is not None:

@@ -1,23 +1,21 @@
 """``edge0 info``: what an edge0 checkpoint holds, validated on the way.
 
-Every expert file's header is checked exactly as the runtime checks it, the
-``trust_remote_code`` shim is compared with the one the converter writes, and
-any other Python file or ``auto_map`` (code transformers would run under
-``--trust-remote-code``) is reported, so ``info`` is also the way to vet a
-downloaded checkpoint before running it.
+Every expert file's header is checked exactly as the runtime checks it, and
+the code the checkpoint names goes through the trust check
+(:func:`mlx_edge0.trust.inspect_code`) without raising: ``info`` says which
+file ``mlx_lm --trust-remote-code`` would execute and why mlx-edge0 would
+refuse the checkpoint, so it is also the way to vet a downloaded checkpoint
+before running it.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .checkpoint import (
     CONFIG_FILE,
     RESIDENT_FILE,
-    SHIM_FILE,
-    SHIM_SOURCE,
     Edge0Section,
     expert_file,
     human_bytes,
@@ -27,13 +25,14 @@ from .lora import has_adapters, read_adapters
 from .prerouter import load_heads
 from .store import LayerFile
 from .tensorfile import read_header
+from .trust import checkpoint_dir, inspect_code
 
 OPTIONAL_FILES = ("prerouter.safetensors", "adapters.safetensors", "adapter_config.json")
 
 
 def describe(path: Path | str) -> dict[str, Any]:
     """A JSON-able description of a checkpoint dir (raises on invalid files)."""
-    path = Path(path)
+    path = checkpoint_dir(path)
     config = read_config(path)
     section = Edge0Section.from_config(config, path / CONFIG_FILE)
     resident = read_header(path / RESIDENT_FILE)
@@ -55,12 +54,7 @@ def describe(path: Path | str) -> dict[str, Any]:
             kinds[kind] = kinds.get(kind, 0) + 1
         adapters = {"rank": a.config.rank, "alpha": a.config.alpha, "scale": a.config.scale,
                     "k": a.config.k, "targets": len(a.config.targets), "kinds": kinds, "bytes": a.nbytes}
-    shim = path / config.get("model_file", SHIM_FILE)
-    shim_text = shim.read_text() if shim.is_file() else None
-    # --trust-remote-code also lets transformers run a tokenizer's or config's
-    # custom classes (``auto_map``) from Python files in the checkpoint.
-    other_code = sorted(str(p.relative_to(path)) for p in path.rglob("*.py") if p != shim)
-    auto_map = [name for name in (CONFIG_FILE, "tokenizer_config.json") if _has_auto_map(path / name)]
+    code = inspect_code(path)
     g = section.experts
     return {
         "path": str(path.resolve()),
@@ -89,10 +83,12 @@ def describe(path: Path | str) -> dict[str, Any]:
         "quantization": {k: v for k, v in (config.get("quantization") or {}).items()
                          if not isinstance(v, dict)},
         "shim": {
-            "file": shim.name,
-            "ours": shim_text == SHIM_SOURCE,
-            "other_code": other_code,
-            "auto_map": auto_map,
+            "file": code.model_file,
+            "ours": code.shim_ok,
+            "runs": _what_runs(code.model_file_path),
+            "other_code": list(code.other_code),
+            "auto_map": list(code.auto_map),
+            "problems": list(code.problems),
         },
         "optional_files": {name: (path / name).exists() for name in OPTIONAL_FILES},
         "prerouter": section.prerouter,
@@ -100,11 +96,11 @@ def describe(path: Path | str) -> dict[str, Any]:
     }
 
 
-def _has_auto_map(path: Path) -> bool:
-    try:
-        return "auto_map" in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
+def _what_runs(model_file: Optional[Path]) -> Optional[str]:
+    """The file ``--trust-remote-code`` would execute (symlinks followed, as Python does)."""
+    if model_file is None:
+        return None
+    return str(model_file.resolve()) if model_file.exists() or model_file.is_symlink() else None
 
 
 def _k_line(k_of: dict[str, int]) -> str:
@@ -146,16 +142,14 @@ def format_description(d: dict[str, Any]) -> str:
         f"  prerouter heads {_heads_line(d['prerouter'])}",
         f"  LoRA adapters   {_adapters_line(d['adapters'])}",
     ]
-    if d["shim"]["ours"]:
-        lines.append(f"  remote code     {d['shim']['file']} is the mlx-edge0 shim (imports mlx_edge0 only)")
+    shim = d["shim"]
+    if shim["ours"]:
+        lines.append(f"  remote code     {shim['file']} is the mlx-edge0 shim (imports mlx_edge0 only)")
     else:
-        lines.append(
-            f"  WARNING         {d['shim']['file']} is NOT the mlx-edge0 shim: "
-            "--trust-remote-code would run code mlx-edge0 did not write"
-        )
-    if d["shim"]["other_code"] or d["shim"]["auto_map"]:
-        lines.append(
-            f"  WARNING         other Python code {d['shim']['other_code']}, auto_map in "
-            f"{d['shim']['auto_map']}: --trust-remote-code may let transformers run it"
-        )
+        runs = shim["runs"] or "nothing (no such file)"
+        lines.append(f"  WARNING         mlx_lm --trust-remote-code would execute {runs}")
+    for problem in shim["problems"]:
+        lines.append(f"  WARNING         {problem}")
+    if shim["problems"]:
+        lines.append("  WARNING         mlx-edge0 (load, generate, serve, ...) refuses this checkpoint")
     return "\n".join(lines)

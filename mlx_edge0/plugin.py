@@ -1,20 +1,26 @@
-"""The ``trust_remote_code`` entry point of an edge0 checkpoint.
+"""The model classes mlx-lm builds an edge0 checkpoint with.
 
-A converted checkpoint's config.json names a one-line shim (``model_file``)
-that calls :func:`bind` with its own path. mlx-lm then calls
-``ModelArgs.from_dict(config)`` and ``Model(args)`` as for any model file; the
-shim defines no classes (mlx-lm executes it unregistered, where dataclasses
-break), it only hands over the checkpoint directory.
+Two ways in. mlx-edge0's own loaders pass :func:`model_classes` to mlx-lm's
+``load_model`` (``get_model_classes``), so nothing of the checkpoint is
+imported. Stock mlx-lm commands run with ``--trust-remote-code`` import the
+checkpoint's one-line shim (``model_file``), which calls :func:`bind` with its
+own path. Either way mlx-lm then calls ``ModelArgs.from_dict(config)`` and
+``Model(args)`` as for any model file; the shim defines no classes (mlx-lm
+executes it unregistered, where dataclasses break), it only hands over the
+checkpoint directory: the one it was loaded from, after the trust check, not
+wherever a symlink points.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 from .checkpoint import CONFIG_FILE, Edge0Section
 from .model import Edge0Args
 from .options import RUNTIME_KEY, Options
+from .trust import check_code
 
 
 class ModelArgsReader:
@@ -48,6 +54,21 @@ def build_model(args: Edge0Args):
     return args.family.model_class(args)
 
 
+def model_classes(checkpoint_dir: Path) -> Callable[..., tuple[Callable, ModelArgsReader]]:
+    """mlx-lm's ``get_model_classes`` for a checked checkpoint directory."""
+
+    def get_model_classes(config: dict) -> tuple[Callable, ModelArgsReader]:
+        return build_model, ModelArgsReader(checkpoint_dir)
+
+    return get_model_classes
+
+
 def bind(shim_file: str) -> tuple[Callable, ModelArgsReader]:
-    """(Model, ModelArgs) for the checkpoint that holds ``shim_file``."""
-    return build_model, ModelArgsReader(Path(shim_file).resolve().parent)
+    """(Model, ModelArgs) for the checkpoint directory that holds ``shim_file``
+    as mlx-lm named it (a symlinked shim binds to *its* directory, and fails
+    the trust check there).
+
+    Raises:
+        UntrustedCodeError: the checkpoint fails :func:`mlx_edge0.trust.check_code`.
+    """
+    return build_model, ModelArgsReader(check_code(Path(os.path.abspath(shim_file)).parent))

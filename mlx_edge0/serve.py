@@ -1,37 +1,28 @@
-"""``edge0 serve``: the stock ``mlx_lm.server`` on an edge0 checkpoint.
+"""``edge0 serve``: the stock ``mlx_lm.server`` on one checked edge0 checkpoint.
 
-Nothing here serves a request: ``python -m mlx_lm server`` does (its
-endpoints, batching, prompt cache, and so every OpenAI client), as a child
-process. ``edge0 serve`` only
+Nothing here serves a request: :mod:`mlx_edge0.pinned_server` runs mlx-lm's
+server (its endpoints, batching, prompt cache, and so every OpenAI client)
+as a child process, pinned to the checkpoint checked here. ``edge0 serve``
+only
 
-- binds 127.0.0.1 unless ``--host`` says otherwise,
-- passes ``--trust-remote-code``, after checking (as ``edge0 info`` does)
-  that every file is valid, that the model file is the shim that only
-  imports ``mlx_edge0`` and that no other code transformers could run is
-  there; it refuses anything else,
-- turns the :class:`Options` flags into the model config the server loads,
+- checks the checkpoint before anything starts (the trust check of
+  :mod:`mlx_edge0.trust`, then every file as ``edge0 info`` checks it), so a
+  bad one is refused before the server is announced;
+- binds 127.0.0.1 unless ``--host`` says otherwise, and refuses a port in use;
+- hands the :class:`Options` flags and the prompt limit to the child, which
+  loads the checkpoint with them (no ``--trust-remote-code``: nothing of the
+  checkpoint is imported; a request cannot load another model);
 - restarts the server when its generation loop has died (see
   :func:`supervise`).
-
-The stock server loads with ``mlx_lm.load(path)`` and has no ``model_config``
-argument; ``load_model`` applies one as ``config.update(model_config)``. So
-the options go into the config the server reads: a *runtime view* of the
-checkpoint, a temporary directory of symlinks to its files whose config.json
-adds the options under ``RUNTIME_KEY``, exactly what ``mlx_edge0.load``
-passes as ``model_config``. The checkpoint is never written. The shim
-resolves its own path, so experts, heads and adapters are read from the
-checkpoint directory itself. The view is removed when ``edge0 serve`` stops
-(Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -41,61 +32,51 @@ from typing import Callable, Optional, Sequence
 
 import click
 
-from .checkpoint import CONFIG_FILE, CheckpointError, Edge0Section, read_config
-from .options import RUNTIME_KEY, Options
+from .checkpoint import CheckpointError, read_config, text_config
+from .options import Options
+from .pinned_server import ServingSpec
 from .tensorfile import TensorFileError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
+RESTART_DELAY_S = 1.0
 
 
-def check_checkpoint(checkpoint: Path) -> None:
-    """Validate ``checkpoint`` and refuse one whose model file is not our shim
-    or that holds other code transformers could run: ``serve`` trusts remote
-    code on the user's behalf, so only ours.
+def check_checkpoint(checkpoint: Path) -> Path:
+    """The checkpoint directory, after the trust check and every file's checks.
 
     Raises:
         CheckpointError, TensorFileError: naming the file and the problem.
     """
     from .info import describe
+    from .trust import check_code
 
-    shim = describe(checkpoint)["shim"]
-    if not shim["ours"]:
-        problem = f"{Path(checkpoint) / shim['file']}: not the mlx-edge0 shim"
-    elif shim["other_code"] or shim["auto_map"]:
-        problem = (f"{checkpoint}: holds other Python code {shim['other_code']} "
-                   f"(auto_map in {shim['auto_map']})")
-    else:
-        return
-    raise CheckpointError(
-        f"{problem}, so --trust-remote-code would run code mlx-edge0 did not write; inspect it, "
-        "and if you trust it run mlx_lm.server --trust-remote-code yourself"
-    )
+    directory = check_code(checkpoint)
+    describe(directory)
+    return directory
 
 
-def runtime_view(checkpoint: Path, options: Options, parent: Path) -> Path:
-    """A directory under ``parent`` that loads as ``checkpoint`` with ``options``.
-
-    Raises:
-        CheckpointError: ``checkpoint`` is not an edge0 checkpoint.
-    """
-    checkpoint = Path(checkpoint).resolve()
-    config = read_config(checkpoint)
-    Edge0Section.from_config(config, checkpoint / CONFIG_FILE)
-    view = Path(parent) / checkpoint.name
-    view.mkdir()
-    for entry in checkpoint.iterdir():
-        if entry.name != CONFIG_FILE:
-            (view / entry.name).symlink_to(entry)
-    config[RUNTIME_KEY] = options.to_dict()
-    (view / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    return view
+def context_length(checkpoint: Path) -> int:
+    """The model's context (``max_position_embeddings``), 0 when the config has none."""
+    return int(text_config(read_config(checkpoint)).get("max_position_embeddings") or 0)
 
 
-def server_argv(model: Path, host: str, port: int, server_args: Sequence[str]) -> list[str]:
-    """The stock ``mlx_lm.server`` command line for ``model``."""
-    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--trust-remote-code",
-            "--host", host, "--port", str(port), *server_args]
+def port_in_use(host: str, port: int) -> Optional[str]:
+    """Why ``host:port`` cannot be listened on (None: it can, right now)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def server_argv(spec: ServingSpec, server_args: Sequence[str]) -> list[str]:
+    """The child's command line: the pinned stock server for ``spec``."""
+    return [sys.executable, "-m", "mlx_edge0.pinned_server", spec.to_json(), *server_args]
 
 
 def health(url: str, timeout: float = 5.0) -> Optional[bool]:
@@ -127,15 +108,14 @@ def supervise(argv: list[str], health_url: str, poll_s: float = 5.0,
     exception in a batched forward (e.g. an expert file that became
     unreadable) ends that thread for good: the process stays up and answers
     each request with an error. Restarting the process is the only way back
-    with the stock server; the backoff doubles while restarts keep failing.
-    ``/health`` is polled every ``poll_s`` (each poll is a line in the
-    server's request log).
-    Returns the server's exit status when it exits by itself (bad arguments,
-    port in use); a KeyboardInterrupt (Ctrl-C, SIGTERM) stops it.
+    with the stock server. The delay is fixed (``RESTART_DELAY_S``): no
+    client can make the next outage longer. A server that exits by itself
+    (bad flags, port in use, a checkpoint that fails to load) is not
+    restarted. ``/health`` is polled every ``poll_s``.
+    Returns the server's exit status when it exits by itself; a
+    KeyboardInterrupt (Ctrl-C, SIGTERM) stops it.
     """
-    delay = 1.0
     while True:
-        started = time.monotonic()
         child = subprocess.Popen(argv)
         try:
             died = wait_for_failure(child, health_url, poll_s)
@@ -146,25 +126,20 @@ def supervise(argv: list[str], health_url: str, poll_s: float = 5.0,
         if not died:
             return child.returncode
         log(f"edge0 serve: mlx_lm.server's generation loop died (its log above says why); "
-            f"restarting it in {delay:.0f} s")
-        time.sleep(delay)
-        delay = 1.0 if time.monotonic() - started > 60 else min(2 * delay, 30.0)
+            f"restarting it in {RESTART_DELAY_S:.0f} s")
+        time.sleep(RESTART_DELAY_S)
 
 
-def serve_checkpoint(checkpoint: Path, options: Options, host: str = DEFAULT_HOST,
-                     port: int = DEFAULT_PORT, server_args: Sequence[str] = (),
+def serve_checkpoint(spec: ServingSpec, server_args: Sequence[str] = (),
                      log: Callable[[str], None] = print) -> int:
-    """Serve ``checkpoint`` with ``options`` until interrupted (Ctrl-C,
+    """Serve ``spec`` (a checked checkpoint) until interrupted (Ctrl-C,
     SIGTERM: returns 0) or the server exits by itself (returns its status)."""
-    check_checkpoint(checkpoint)
-    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    health_url = f"http://{f'[{local}]' if ':' in local else local}:{port}/health"
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(spec.host, spec.host)
+    health_url = f"http://{f'[{local}]' if ':' in local else local}:{spec.port}/health"
     main_thread = threading.current_thread() is threading.main_thread()
     saved = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     try:
-        with tempfile.TemporaryDirectory(prefix="edge0-serve-") as tmp:
-            view = runtime_view(checkpoint, options, Path(tmp))
-            return supervise(server_argv(view, host, port, server_args), health_url, log=log)
+        return supervise(server_argv(spec, server_args), health_url, log=log)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -172,29 +147,38 @@ def serve_checkpoint(checkpoint: Path, options: Options, host: str = DEFAULT_HOS
             signal.signal(signal.SIGTERM, saved)
 
 
-def serve(model_path: Optional[Path], host: str, port: int, server_args: tuple[str, ...],
-          **option_fields) -> None:
+def serve(model_path: Optional[Path], host: str, port: int, max_prompt_tokens: Optional[int],
+          server_args: tuple[str, ...], **option_fields) -> None:
     """Serve an edge0 checkpoint with the stock mlx_lm.server (OpenAI API).
 
     Options not listed here are passed to mlx_lm.server unchanged, e.g.
     --prefill-step-size, --decode-concurrency, --max-tokens, --log-level
-    (see `mlx_lm.server --help`).
+    (see `mlx_lm.server --help`); --model, --adapter-path, --draft-model and
+    --trust-remote-code are refused.
     """
     try:
         options = Options(**option_fields)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    if max_prompt_tokens is not None and max_prompt_tokens < 0:
+        raise click.ClickException(f"--max-prompt-tokens must be 0 (no limit) or positive, got {max_prompt_tokens}")
     if model_path is None:
         from .default_model import ensure_default_model
 
         model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
-    click.echo(f"edge0 serve: {model_path} on http://{host}:{port} (mlx_lm.server)", err=True)
     try:
-        status = serve_checkpoint(model_path, options, host, port, server_args,
-                                  log=lambda m: click.echo(m, err=True))
+        checkpoint = check_checkpoint(model_path)
     except (CheckpointError, TensorFileError) as e:
         raise click.ClickException(str(e)) from None
-    sys.exit(status)
+    busy = port_in_use(host, port)
+    if busy:
+        raise click.ClickException(f"cannot listen on {host}:{port} ({busy}); is another server using the "
+                                   "port? Pick another with --port")
+    limit = context_length(checkpoint) if max_prompt_tokens is None else max_prompt_tokens
+    spec = ServingSpec(str(checkpoint), options.to_dict(), host, port, limit)
+    click.echo(f"edge0 serve: {checkpoint} on http://{host}:{port} (mlx_lm.server; prompts up to "
+               f"{limit or 'any number of'} tokens)", err=True)
+    sys.exit(serve_checkpoint(spec, server_args, log=lambda m: click.echo(m, err=True)))
 
 
 @functools.cache
@@ -210,6 +194,8 @@ def serve_command() -> click.Command:
         click.option("--host", default=DEFAULT_HOST, show_default=True,
                      help="Address to bind. Loopback by default; anything else exposes the server."),
         click.option("--port", default=DEFAULT_PORT, show_default=True),
+        click.option("--max-prompt-tokens", type=int, default=None,
+                     help="Refuse longer prompts with a 400 (default: the model's context; 0: no limit)."),
         option_flags,
         click.argument("server_args", nargs=-1, type=click.UNPROCESSED),
     ]

@@ -113,6 +113,8 @@ def read_header(path: Path | str) -> TensorHeader:
         raise TensorFileError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise TensorFileError(f"{path}: is a directory, not a safetensors file") from None
+    except OSError as e:  # permissions, I/O errors
+        raise TensorFileError(f"{path}: cannot be read ({e.strerror or e})") from None
 
     try:
         header = json.loads(raw.decode("utf-8"))

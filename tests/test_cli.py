@@ -30,7 +30,9 @@ def test_convert_info_generate(converted, tmp_path):
 
     (out / "edge0_model.py").write_text("import os\n")
     r = runner.invoke(main, ["info", str(out)])
-    assert "is NOT the mlx-edge0 shim" in r.output
+    assert f"WARNING         mlx_lm --trust-remote-code would execute {out / 'edge0_model.py'}" in r.output
+    assert f"{out / 'edge0_model.py'}: not the mlx-edge0 shim" in r.output
+    assert "mlx-edge0 (load, generate, serve, ...) refuses this checkpoint" in r.output
 
     (out / "edge0_model.py").write_text(
         "from mlx_edge0.plugin import bind; Model, ModelArgs = bind(__file__)  # noqa\n"
