@@ -24,10 +24,12 @@ def _check(path: str | Path) -> None:
     """The edge0 section and the resident file's header, before mlx-lm reads
     anything (MLX's own error for a truncated file names no file)."""
     from .checkpoint import RESIDENT_FILE, Edge0Section, read_config
+    from .integrity import check_generation
     from .tensorfile import read_header
 
-    Edge0Section.from_config(read_config(path), Path(path) / "config.json")
-    read_header(Path(path) / RESIDENT_FILE)
+    section = Edge0Section.from_config(read_config(path), Path(path) / "config.json")
+    header = read_header(Path(path) / RESIDENT_FILE)
+    check_generation(header.path, header.metadata, section.generation)
 
 
 def load(path: str | Path, **options: Any):
@@ -37,16 +39,24 @@ def load(path: str | Path, **options: Any):
     """
     from mlx_lm import load as mlx_lm_load
 
-    _check(path)
-    return mlx_lm_load(str(path), model_config=_model_config(options), trust_remote_code=True)
+    from .integrity import load_consistently
+
+    def attempt():
+        _check(path)
+        return mlx_lm_load(str(path), model_config=_model_config(options), trust_remote_code=True)
+
+    return load_consistently(path, attempt)  # one conversion, even under `convert --force`
 
 
 def load_model(path: str | Path, **options: Any):
     """Load only the model of an edge0 checkpoint (no tokenizer needed)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    _check(path)
-    model, _ = mlx_lm_load_model(
-        Path(path), model_config=_model_config(options), trust_remote_code=True
-    )
+    from .integrity import load_consistently
+
+    def attempt():
+        _check(path)
+        return mlx_lm_load_model(Path(path), model_config=_model_config(options), trust_remote_code=True)
+
+    model, _ = load_consistently(path, attempt)  # one conversion, even under `convert --force`
     return model
