@@ -273,3 +273,24 @@ def test_loads_never_mix_two_conversions_while_convert_force_replaces_out(tmp_pa
     assert swaps >= 2 and loads >= 5, (swaps, loads)
     assert not mixed, f"{len(mixed)} of {loads} loads mixed the two conversions: {mixed[:3]}"
     assert not failed, f"{len(failed)} loads failed: {failed[:3]}"
+
+
+def test_adapters_carry_the_generation_and_verify_says_they_are_not_covered(ckpt, converted, tmp_path):
+    from mlx_edge0 import lora
+
+    model = mlx_edge0.load_model(ckpt, cache_gib=0)
+    lora.attach(model, tuple(lora.lora_targets(model)))
+    lora.save_adapters(ckpt, model, ckpt, lora.consumer_k(model))
+    generation = read_config(ckpt)["edge0"]["generation"]
+    assert read_header(ckpt / lora.ADAPTERS_FILE).metadata["generation"] == generation
+    r = _cli("info", "--verify", str(ckpt))
+    assert r.exit_code == 0, r.output
+    assert "not covered     adapter_config.json, adapters.safetensors" in r.output
+
+    other = tmp_path / "other"
+    convert(converted("qwen3_moe").source, other, QUIET)  # same weights, another generation
+    for name in (lora.ADAPTERS_FILE, lora.ADAPTER_CONFIG_FILE):
+        shutil.copy(ckpt / name, other / name)
+    with pytest.raises(CheckpointError, match=r"adapters\.safetensors: generation"):
+        mlx_edge0.load_model(other, cache_gib=0)
+    lora.read_adapters(other, ckpt)  # kept outside the checkpoint, they may outlive a re-convert
