@@ -181,6 +181,9 @@ class Edge0Section:
             and all(isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in sha256.items())
         ):
             raise CheckpointError(f"{where}: edge0.sha256 must map file names to SHA-256 hex digests")
+        outside = [k for k in sha256 or {} if Path(k).is_absolute() or ".." in Path(k).parts]
+        if outside:
+            raise CheckpointError(f"{where}: edge0.sha256 names files outside the checkpoint: {outside[:3]}")
         return cls(
             source_model_type=str(section["source_model_type"]),
             moe_layers=layers,

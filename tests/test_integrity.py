@@ -294,3 +294,27 @@ def test_adapters_carry_the_generation_and_verify_says_they_are_not_covered(ckpt
     with pytest.raises(CheckpointError, match=r"adapters\.safetensors: generation"):
         mlx_edge0.load_model(other, cache_gib=0)
     lora.read_adapters(other, ckpt)  # kept outside the checkpoint, they may outlive a re-convert
+
+
+def test_a_checkpoint_replaced_during_every_load_fails_clearly(ckpt):
+    from mlx_edge0.integrity import load_consistently
+
+    def replaced_meanwhile():
+        config = read_config(ckpt)
+        config["edge0"]["generation"] += "0"
+        (ckpt / ".config.new").write_text(json.dumps(config))
+        os.replace(ckpt / ".config.new", ckpt / "config.json")
+        raise TensorFileError(f"{ckpt / expert_file(1)}: file not found")
+
+    with pytest.raises(CheckpointError, match=r"config\.json: the checkpoint was replaced during each of 8 loads"):
+        load_consistently(ckpt, replaced_meanwhile)
+    with pytest.raises(TensorFileError, match="file not found"):  # unchanged: the error itself
+        load_consistently(ckpt, lambda: (_ for _ in ()).throw(TensorFileError("file not found")))
+
+
+def test_checksums_may_only_name_files_inside_the_checkpoint(ckpt):
+    config = read_config(ckpt)
+    config["edge0"]["sha256"]["../../etc/passwd"] = "0" * 64
+    (ckpt / "config.json").write_text(json.dumps(config))
+    r = _cli("info", "--verify", str(ckpt))
+    assert r.exit_code == 1 and "edge0.sha256 names files outside the checkpoint" in r.output
