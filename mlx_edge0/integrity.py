@@ -204,14 +204,16 @@ def verify(path: Path | str, progress: Optional[Callable[[int, int, str], None]]
         if not file.is_file():
             problems.append(Problem(name, "missing"))
             continue
-        if name in recorded and sha256_file(file) != recorded[name]:
-            problems.append(Problem(name, "sha256 does not match the one convert recorded "
-                                          "(changed in place, or bit rot)"))
-        if name.endswith(".safetensors"):
-            required = name in tensor_files
-            found, n = _scan_tensors(file, section.generation, required)
-            problems += [Problem(name, p) for p in found]
-            scanned += n
+        try:
+            if name in recorded and sha256_file(file) != recorded[name]:
+                problems.append(Problem(name, "sha256 does not match the one convert recorded "
+                                              "(changed in place, or bit rot)"))
+            if name.endswith(".safetensors"):
+                found, n = _scan_tensors(file, section.generation, required=name in tensor_files)
+                problems += [Problem(name, p) for p in found]
+                scanned += n
+        except OSError as e:  # permissions, an I/O error of a failing disk
+            problems.append(Problem(name, f"unreadable ({e.strerror or e})"))
     present = {str(p.relative_to(path)) for p in path.rglob("*")
                if p.is_file() and not p.name.startswith(".")}
     unrecorded = tuple(sorted(present - set(recorded) - {CONFIG_FILE})) if recorded else ()
