@@ -6,21 +6,32 @@ Guarantees:
   memory is about one layer plus the resident weights, never the whole model;
 - atomic: everything is written into a temporary sibling of OUT that is renamed
   into place at the end; any failure or interrupt removes it, leaving no OUT;
+  with ``--force`` the new OUT takes the old one's place in one atomic
+  exchange where the OS has one (Linux, macOS), so a path under OUT names a
+  file of the old checkpoint or of the new one, never nothing;
+- trusted: a NaN/inf in any source float tensor (expert weights, quantized
+  scales and biases, resident weights) is refused, naming layer, expert and
+  tensor; the checkpoint records a fresh generation id (in config.json and
+  every safetensors header) and the SHA-256 of every file it writes (see
+  ``mlx_edge0.integrity``);
 - SRC is only read; OUT may not be SRC or lie inside it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
 import signal
+import sys
 import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +54,7 @@ from ..checkpoint import (
     tensor_name,
     text_config,
 )
+from ..integrity import GENERATION_KEY, new_generation, plural, sha256_file
 from ..model_patches import family_for
 from ..tensorfile import TensorFileError, TensorWriter, dtype_code, read_header
 from .registry import ARCHITECTURES, detect_forms
@@ -61,6 +73,14 @@ class ConvertOptions:
     group_size: int = 64
     force: bool = False
     show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class Written:
+    """A file the converter wrote: its size and SHA-256."""
+
+    nbytes: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -103,18 +123,22 @@ def _check_paths(src: Path, out: Path, force: bool) -> None:
         raise ConversionError(f"{out}: exists and is not a directory")
 
 
-def _load_source_weights(src: Path) -> dict[str, mx.array]:
+def _load_source_weights(src: Path) -> tuple[dict[str, mx.array], dict[str, Path]]:
+    """(tensors, tensor name -> the shard that holds it), loaded lazily."""
     files = sorted(src.glob("model*.safetensors"))
     if not files:
         raise ConversionError(f"{src}: no model*.safetensors files")
     weights: dict[str, mx.array] = {}
+    origin: dict[str, Path] = {}
     for f in files:
         try:
             read_header(f)  # clear error on a truncated / corrupt shard
-            weights.update(mx.load(str(f)))
+            shard = mx.load(str(f))
         except TensorFileError as e:
             raise ConversionError(str(e)) from None
-    return weights
+        weights.update(shard)
+        origin.update(dict.fromkeys(shard, f))
+    return weights, origin
 
 
 def _pid_alive(pid: int) -> bool:
@@ -140,6 +164,43 @@ def remove_stale_temp_dirs(out: Path) -> list[Path]:
     return removed
 
 
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2``
+    RENAME_EXCHANGE, macOS ``renamex_np`` RENAME_SWAP): False where the OS
+    or filesystem has no such call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        at_fdcwd, rename_exchange = -100, 2
+        call = libc.renameat2
+        call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        rc = call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rename_swap = 2
+        call = libc.renamex_np
+        call.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
+        rc = call(os.fsencode(a), os.fsencode(b), rename_swap)
+    else:
+        return False
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Put ``new`` at ``out``, whose old tree is then deleted: an atomic
+    exchange where possible, else two renames (a moment without OUT)."""
+    if exchange(new, out):
+        shutil.rmtree(new, ignore_errors=True)  # now the old tree
+        return
+    old = out.parent / f".{out.name}.edge0-old-{os.getpid()}"
+    out.rename(old)
+    new.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextmanager
 def _atomic_dir(out: Path):
     """Yield a temp dir next to ``out``; rename it to ``out`` on success."""
@@ -162,10 +223,7 @@ def _atomic_dir(out: Path):
     try:
         yield tmp
         if out.exists():
-            old = out.parent / f".{out.name}.edge0-old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace_dir(tmp, out)
         else:
             tmp.rename(out)
     except BaseException:
@@ -223,6 +281,17 @@ class _Source:
     model: nn.Module
     weights: dict
     switch_paths: dict[int, str]  # MoE layer -> parameter path of its stacked experts
+    origin: dict[str, Path]  # source tensor name -> its shard
+
+    def shards_of(self, layer: Optional[int] = None) -> str:
+        """The source shard(s) holding a MoE layer's experts (all shards
+        when unknown, or for ``layer=None``), for messages."""
+        files = sorted(set(self.origin.values()))
+        if layer is not None:
+            mine = sorted({f for k, f in self.origin.items()
+                           if f".layers.{layer}." in k and ("expert" in k or "switch_mlp" in k)})
+            files = mine or files
+        return ", ".join(str(f) for f in files)
 
     @property
     def hidden_size(self) -> int:
@@ -243,7 +312,7 @@ def _open_source(src_dir: Path) -> _Source:
         raise ConversionError(f"{src_dir / CONFIG_FILE}: SRC is already an edge0 checkpoint")
     arch = ARCHITECTURES[family.model_type]
     model = family.stock_module.Model(family.stock_module.ModelArgs.from_dict(config))
-    raw = _load_source_weights(src_dir)
+    raw, origin = _load_source_weights(src_dir)
     forms = detect_forms(raw)
     weights = model.sanitize(raw)
     switch_paths = _moe_switch_paths(model, family.model_class.stock_block)
@@ -256,7 +325,7 @@ def _open_source(src_dir: Path) -> _Source:
             f"{arch.model_type} experts must be stored as one of: {'; '.join(arch.expert_forms)} "
             f"(found: {', '.join(forms) or 'none'})"
         )
-    return _Source(src_dir, config, model, weights, switch_paths)
+    return _Source(src_dir, config, model, weights, switch_paths, origin)
 
 
 def convert(src: str | Path, out: str | Path, options: ConvertOptions = ConvertOptions()) -> ConvertReport:
@@ -291,41 +360,52 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
             )
         requantized.append(True)
 
+    _check_resident_finite(source)
+    generation = new_generation()
+    written: dict[str, Written] = {}
     with _atomic_dir(out_dir) as tmp:
         (tmp / EXPERT_DIR).mkdir()
         geometry = None
-        expert_bytes = 0
         with _progress(list(source.switch_paths.items()), options.show_progress, "experts") as items:
             for layer, prefix in items:
                 stacked = {}
                 for proj in PROJECTIONS:
                     in_dims = source.moe_intermediate_size if proj == "down_proj" else source.hidden_size
-                    q = _quantized_projection(
-                        *_source_projection(source.weights, prefix, proj, source.path),
-                        in_dims, options.bits, options.group_size, warn,
-                    )
+                    parts = _source_projection(source.weights, prefix, proj, source.path)
+                    _check_experts_finite(parts, layer, proj, source.shards_of(layer))
+                    q = _quantized_projection(*parts, in_dims, options.bits, options.group_size, warn)
                     mx.eval(q)
+                    if q[1] is not parts[1]:  # quantized here (scales of a float16 source can overflow)
+                        _check_experts_finite(q, layer, proj, f"{source.shards_of(layer)} after quantization")
                     stacked[proj] = q
                 geometry = geometry or _geometry(stacked, options)
-                expert_bytes += _write_layer(tmp / expert_file(layer), stacked, geometry, layer, source.path)
+                written[expert_file(layer)] = _write_layer(
+                    tmp / expert_file(layer), stacked, geometry, layer, source.path, generation
+                )
                 del stacked
         resident, quantization = _resident_weights(source, options)
-        resident_bytes = _write_resident(tmp / RESIDENT_FILE, resident, options.show_progress)
+        written[RESIDENT_FILE] = _write_resident(tmp / RESIDENT_FILE, resident, options.show_progress, generation)
+        (tmp / SHIM_FILE).write_text(SHIM_SOURCE)
+        _copy_small_files(source.path, tmp)
+        checksums = {name: w.sha256 for name, w in written.items()}
+        for f in sorted(tmp.iterdir()):
+            if f.is_file() and f.name not in checksums:
+                checksums[f.name] = sha256_file(f)
         section = Edge0Section(
             source_model_type=source.config["model_type"],
             moe_layers=tuple(source.switch_paths),
             experts=geometry,
             num_experts_per_tok=int(text_config(source.config)["num_experts_per_tok"]),
             alignment=ALIGNMENT,
+            generation=generation,
+            sha256=dict(sorted(checksums.items())),
         )
         _write_config(tmp, source.config, quantization, section)
-        (tmp / SHIM_FILE).write_text(SHIM_SOURCE)
-        _copy_small_files(source.path, tmp)
     return ConvertReport(
         out=out_dir,
         moe_layers=len(source.switch_paths),
-        expert_bytes=expert_bytes,
-        resident_bytes=resident_bytes,
+        expert_bytes=sum(w.nbytes for name, w in written.items() if name != RESIDENT_FILE),
+        resident_bytes=written[RESIDENT_FILE].nbytes,
         seconds=0.0,
         requantized=bool(requantized),
     )
@@ -338,6 +418,43 @@ def _progress(items, show: bool, label: str):
         items, label=f"edge0 convert: {label}", file=None if show else open(os.devnull, "w"),
         item_show_func=lambda it: f"layer {it[0]}" if it else "",
     )
+
+
+def _nonfinite_rows(a: mx.array) -> list[int]:
+    """NaN/inf count in each ``a[i]`` (all zero for integer tensors)."""
+    if not mx.issubdtype(a.dtype, mx.floating):
+        return [0] * (a.shape[0] if a.ndim else 1)
+    bad = mx.logical_not(mx.isfinite(a)).reshape(a.shape[0] if a.ndim else 1, -1)
+    return bad.sum(axis=1).tolist()
+
+
+def _check_experts_finite(parts, layer: int, proj: str, where: str) -> None:
+    """Refuse a NaN/inf in any stacked expert tensor of one projection
+    (weight, scales, biases; None parts skipped), naming the first expert."""
+    for part, a in zip(("weight", "scales", "biases"), parts):
+        if a is None:
+            continue
+        rows = _nonfinite_rows(a)
+        bad = [e for e, n in enumerate(rows) if n]
+        if bad:
+            e = bad[0]
+            more = f" (and {plural(len(bad) - 1, 'more expert')})" if len(bad) > 1 else ""
+            raise ConversionError(
+                f"layer {layer}, expert {e}, {proj}.{part}: {plural(rows[e], 'non-finite value')} "
+                f"(NaN/inf){more} in {where}"
+            )
+
+
+def _check_resident_finite(source: _Source) -> None:
+    """Refuse a NaN/inf in any non-expert float tensor, before anything is written."""
+    experts = tuple(f"{p}." for p in source.switch_paths.values())
+    for name, a in source.weights.items():
+        if name.startswith(experts) or not mx.issubdtype(a.dtype, mx.floating):
+            continue
+        n = mx.logical_not(mx.isfinite(a)).sum().item()
+        if n:
+            where = source.origin.get(name) or source.shards_of()
+            raise ConversionError(f"{name}: {plural(n, 'non-finite value')} (NaN/inf) in {where}")
 
 
 def _geometry(stacked: dict, options: ConvertOptions) -> ExpertGeometry:
@@ -354,7 +471,8 @@ def _geometry(stacked: dict, options: ConvertOptions) -> ExpertGeometry:
     )
 
 
-def _write_layer(path: Path, stacked: dict, geometry: ExpertGeometry, layer: int, src: Path) -> int:
+def _write_layer(path: Path, stacked: dict, geometry: ExpertGeometry, layer: int, src: Path,
+                 generation: str) -> Written:
     """Write one layer's experts, each bundle contiguous and aligned."""
     pad = geometry.pad_bytes(ALIGNMENT)
     zeros = bytes(pad)
@@ -368,7 +486,7 @@ def _write_layer(path: Path, stacked: dict, geometry: ExpertGeometry, layer: int
                 )
     entries = geometry.file_entries(ALIGNMENT)
     metadata = {"format": "edge0-experts", "layer": str(layer), "bits": str(geometry.bits),
-                "group_size": str(geometry.group_size)}
+                "group_size": str(geometry.group_size), GENERATION_KEY: generation}
     with TensorWriter(path, entries, metadata, alignment=ALIGNMENT) as writer:
         for e in range(geometry.num_experts):
             for proj in PROJECTIONS:
@@ -376,7 +494,7 @@ def _write_layer(path: Path, stacked: dict, geometry: ExpertGeometry, layer: int
                     writer.write(tensor_name(e, proj, part), arr[e])
             if pad:
                 writer.write(f"experts.{e}.pad", zeros)
-    return path.stat().st_size
+    return Written(path.stat().st_size, writer.sha256)
 
 
 def _resident_weights(source: _Source, options: ConvertOptions):
@@ -396,15 +514,15 @@ def _resident_weights(source: _Source, options: ConvertOptions):
     return dict(tree_flatten(model.parameters())), qconfig["quantization"]
 
 
-def _write_resident(path: Path, weights: dict, show_progress: bool) -> int:
+def _write_resident(path: Path, weights: dict, show_progress: bool, generation: str) -> Written:
     names = sorted(weights)
     entries = [(n, dtype_code(weights[n].dtype), tuple(weights[n].shape)) for n in names]
-    with TensorWriter(path, entries, {"format": "mlx"}) as writer:
+    with TensorWriter(path, entries, {"format": "mlx", GENERATION_KEY: generation}) as writer:
         bar = _progress([(n,) for n in names], show_progress, "resident")
         with bar as items:
             for (name,) in items:
                 writer.write(name, weights.pop(name))  # release as written
-    return path.stat().st_size
+    return Written(path.stat().st_size, writer.sha256)
 
 
 def _write_config(out: Path, config: dict, quantization: dict, section: Edge0Section) -> None:

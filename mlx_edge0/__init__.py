@@ -4,7 +4,9 @@
 checkpoint (made by ``edge0 convert``); options are the fields of
 :class:`mlx_edge0.options.Options`. Neither ``load`` nor ``load_model``
 imports anything from the checkpoint: the model is built from this package
-once :func:`mlx_edge0.trust.check_code` has passed (see that module).
+once :func:`mlx_edge0.trust.check_code` has passed (see that module), and
+what they return comes from one conversion even while ``convert --force``
+replaces the checkpoint (:func:`mlx_edge0.integrity.load_consistently`).
 """
 
 from __future__ import annotations
@@ -18,27 +20,37 @@ __version__ = "0.1.0"
 __all__ = ["load", "load_model", "Options", "__version__"]
 
 
-def _load_checked(path: str | Path, options: dict[str, Any]) -> tuple[Any, dict, Path]:
-    """(model, config, checkpoint dir) after the trust check and the edge0
-    section and resident header checks (MLX's own error for a truncated
-    file names no file)."""
+def _load_checked(path: str | Path, options: dict[str, Any], tokenizer: bool) -> tuple[Any, Any]:
+    """(model, tokenizer or None) after the trust check and the edge0 section
+    and resident header checks (MLX's own error for a truncated file names no
+    file), all of it from one conversion."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import load_tokenizer
 
     from .checkpoint import RESIDENT_FILE, Edge0Section, read_config
+    from .integrity import check_generation, load_consistently
     from .plugin import model_classes
     from .tensorfile import read_header
     from .trust import check_code
 
     directory = check_code(path)
-    Edge0Section.from_config(read_config(directory), directory / "config.json")
-    read_header(directory / RESIDENT_FILE)
     # ``model_file: None`` keeps mlx-lm from importing the checkpoint's shim;
     # the classes come from this package, bound to the checked directory.
     model_config = {"model_file": None, RUNTIME_KEY: Options(**options).to_dict()}
-    model, config = mlx_lm_load_model(
-        directory, model_config=model_config, get_model_classes=model_classes(directory)
-    )
-    return model, config, directory
+
+    def attempt() -> tuple[Any, Any]:
+        check_code(directory)
+        section = Edge0Section.from_config(read_config(directory), directory / "config.json")
+        header = read_header(directory / RESIDENT_FILE)
+        check_generation(header.path, header.metadata, section.generation)
+        model, config = mlx_lm_load_model(
+            directory, model_config=model_config, get_model_classes=model_classes(directory)
+        )
+        if not tokenizer:
+            return model, None
+        return model, load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+
+    return load_consistently(directory, attempt)  # one conversion, even under `convert --force`
 
 
 def load(path: str | Path, **options: Any):
@@ -46,12 +58,9 @@ def load(path: str | Path, **options: Any):
 
     Keyword arguments are :class:`Options` fields (e.g. ``compute_dtype``).
     """
-    from mlx_lm.utils import load_tokenizer
-
-    model, config, directory = _load_checked(path, options)
-    return model, load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+    return _load_checked(path, options, tokenizer=True)
 
 
 def load_model(path: str | Path, **options: Any):
     """Load only the model of an edge0 checkpoint (no tokenizer needed)."""
-    return _load_checked(path, options)[0]
+    return _load_checked(path, options, tokenizer=False)[0]

@@ -128,11 +128,16 @@ class Edge0Section:
     format_version: int = FORMAT_VERSION
     alignment: int = ALIGNMENT
     prerouter: Optional[dict] = None  # validated by mlx_edge0.prerouter.load_heads
+    # Set by convert (see mlx_edge0.integrity): the id every file's header
+    # carries, and file (relative path) -> SHA-256 of what was written.
+    generation: Optional[str] = None
+    sha256: Optional[dict[str, str]] = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if self.prerouter is None:
-            del d["prerouter"]
+        for optional in ("prerouter", "generation", "sha256"):
+            if d[optional] is None:
+                del d[optional]
         d["moe_layers"] = list(self.moe_layers)
         d["expert_files"] = [expert_file(layer) for layer in self.moe_layers]
         return d
@@ -167,6 +172,18 @@ class Edge0Section:
             raise CheckpointError(f"{where}: edge0.num_experts_per_tok {k} is invalid")
         if alignment <= 0 or alignment & (alignment - 1):
             raise CheckpointError(f"{where}: edge0.alignment {alignment} is not a power of two")
+        generation = section.get("generation")
+        if generation is not None and (not isinstance(generation, str) or not generation):
+            raise CheckpointError(f"{where}: edge0.generation {generation!r} is not a non-empty string")
+        sha256 = section.get("sha256")
+        if sha256 is not None and not (
+            isinstance(sha256, dict)
+            and all(isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in sha256.items())
+        ):
+            raise CheckpointError(f"{where}: edge0.sha256 must map file names to SHA-256 hex digests")
+        outside = [k for k in sha256 or {} if Path(k).is_absolute() or ".." in Path(k).parts]
+        if outside:
+            raise CheckpointError(f"{where}: edge0.sha256 names files outside the checkpoint: {outside[:3]}")
         return cls(
             source_model_type=str(section["source_model_type"]),
             moe_layers=layers,
@@ -175,6 +192,8 @@ class Edge0Section:
             format_version=version,
             alignment=alignment,
             prerouter=section.get("prerouter"),
+            generation=generation,
+            sha256=sha256,
         )
 
 

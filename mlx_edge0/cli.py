@@ -167,7 +167,10 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: flo
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def info(checkpoint: Path, as_json: bool) -> None:
+@click.option("--verify", is_flag=True,
+              help="Also re-hash every file against the checksums convert recorded and check every "
+                   "float tensor for NaN/inf (reads the whole checkpoint); exit status 1 on any problem.")
+def info(checkpoint: Path, as_json: bool, verify: bool) -> None:
     """Describe an edge0 checkpoint: layout, sizes, layers, heads and adapters."""
     from .checkpoint import CheckpointError
     from .info import describe, format_description
@@ -177,7 +180,32 @@ def info(checkpoint: Path, as_json: bool) -> None:
         d = describe(checkpoint)
     except (CheckpointError, TensorFileError) as e:
         _fail(str(e))
-    click.echo(json.dumps(d, indent=2) if as_json else format_description(d))
+    report = _verify(checkpoint) if verify else None
+    if report is not None:
+        d["verify"] = report.as_dict()
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+    else:
+        from .integrity import format_verify
+
+        click.echo(format_description(d) + (f"\n{format_verify(report)}" if report else ""))
+    if report is not None and not report.ok:
+        raise click.exceptions.Exit(1)
+
+
+def _verify(checkpoint: Path):
+    """``integrity.verify`` with a progress line on a terminal."""
+    import sys
+
+    from .integrity import verify
+
+    def progress(done: int, total: int, name: str) -> None:
+        click.echo(f"\r\033[Kverifying {done + 1}/{total}: {name}", nl=False, err=True)
+
+    report = verify(checkpoint, progress if sys.stderr.isatty() else None)
+    if sys.stderr.isatty():
+        click.echo("\r\033[K", nl=False, err=True)
+    return report
 
 
 main.add_command(bench)

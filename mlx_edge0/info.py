@@ -21,6 +21,7 @@ from .checkpoint import (
     human_bytes,
     read_config,
 )
+from .integrity import check_generation
 from .lora import has_adapters, read_adapters
 from .prerouter import load_heads
 from .store import LayerFile
@@ -36,9 +37,11 @@ def describe(path: Path | str) -> dict[str, Any]:
     config = read_config(path)
     section = Edge0Section.from_config(config, path / CONFIG_FILE)
     resident = read_header(path / RESIDENT_FILE)
+    check_generation(resident.path, resident.metadata, section.generation)
     layers = []
     for layer in section.moe_layers:
-        lf = LayerFile(path / expert_file(layer), section.experts, section.alignment)
+        lf = LayerFile(path / expert_file(layer), section.experts, section.alignment,
+                       generation=section.generation)
         lf.close()
         layers.append({"layer": layer, "file": expert_file(layer),
                        "bytes": (path / expert_file(layer)).stat().st_size})

@@ -38,6 +38,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
+from .integrity import GENERATION_KEY, check_generation
 from .tensorfile import TensorFileError, TensorHeader, read_header
 
 ADAPTERS_FILE = "adapters.safetensors"
@@ -181,7 +182,7 @@ def source_hash(checkpoint: Path, targets: tuple[str, ...]) -> str:
 def save_adapters(out_dir: Path, model: nn.Module, checkpoint: Path, k: int) -> Path:
     """Write the model's adapters (every ``LoRALinear``) and their config into
     ``out_dir``, each file atomically; ``checkpoint`` is the edge0 checkpoint
-    they belong to (for the source hash)."""
+    they belong to (for the source hash and its generation)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     modules = lora_modules(model)
@@ -198,7 +199,9 @@ def save_adapters(out_dir: Path, model: nn.Module, checkpoint: Path, k: int) -> 
     tmp = out_dir / f".adapters.tmp-{os.getpid()}.safetensors"
     tmp_config = out_dir / f".{ADAPTER_CONFIG_FILE}.tmp-{os.getpid()}"
     try:
-        mx.save_safetensors(str(tmp), tensors, metadata={"format": ADAPTER_FORMAT})
+        generation = read_config(checkpoint).get("edge0", {}).get(GENERATION_KEY)
+        metadata = {"format": ADAPTER_FORMAT, **({GENERATION_KEY: generation} if generation else {})}
+        mx.save_safetensors(str(tmp), tensors, metadata=metadata)
         tmp_config.write_text(json.dumps(config.to_dict(len(model.layers)), indent=2) + "\n")
         os.replace(tmp, out_dir / ADAPTERS_FILE)
         os.replace(tmp_config, out_dir / ADAPTER_CONFIG_FILE)
@@ -283,6 +286,9 @@ def read_adapters(checkpoint: Path, directory: Optional[Path] = None, k: int = 0
                                 f"but the model routes K={k} (train adapters for this K, or turn LoRA off)")
     try:
         header = read_header(tensors_path)
+        if directory.resolve() == checkpoint.resolve():  # adapters kept elsewhere outlive a re-convert
+            check_generation(tensors_path, header.metadata, model_config.get("edge0", {}).get(GENERATION_KEY),
+                             required=False)
     except TensorFileError as e:
         raise CheckpointError(str(e)) from None
     want = {}

@@ -16,7 +16,9 @@ baseline peers use) and training starts there.
 
 Files: ``prerouter.safetensors`` (tensors ``heads.{N}.*``; metadata: format,
 version, owners, consumers, K, hidden width, source hash = SHA-256 of the
-checkpoint's router tensors) and ``edge0.prerouter`` in config.json. Loading
+checkpoint's router tensors, the checkpoint's generation) and
+``edge0.prerouter`` in config.json, where saving also records the file's
+SHA-256 in ``edge0.sha256`` (when convert recorded checksums). Loading
 validates all of it and names the file on any mismatch.
 """
 
@@ -35,6 +37,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
+from .integrity import GENERATION_KEY, check_generation
 from .tensorfile import TensorFileError, TensorWriter, dtype_code, read_header
 
 PREROUTER_FILE = "prerouter.safetensors"
@@ -143,8 +146,12 @@ def init_heads(model, spec: Optional[PrerouterSpec] = None, seed: int = 0) -> di
 
 
 def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: PrerouterSpec) -> Path:
-    """Write prerouter.safetensors and the config section, each atomically."""
+    """Write prerouter.safetensors and the config section, each atomically;
+    the file carries the checkpoint's generation, and its checksum joins the
+    others (so ``edge0 info --verify`` stays right)."""
     checkpoint = Path(checkpoint)
+    config = read_config(checkpoint)
+    generation = config["edge0"].get(GENERATION_KEY)
     tensors = {}
     for owner, head in sorted(heads.items()):
         for name, value in tree_flatten(head.parameters()):
@@ -157,6 +164,7 @@ def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: Preroute
         "k": str(spec.k),
         "hidden": str(spec.hidden),
         "source_hash": source_hash(checkpoint),
+        **({GENERATION_KEY: generation} if generation else {}),
     }
     path = checkpoint / spec.file
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -168,8 +176,9 @@ def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: Preroute
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    config = read_config(checkpoint)
     config["edge0"]["prerouter"] = spec.to_dict()
+    if isinstance(config["edge0"].get("sha256"), dict):
+        config["edge0"]["sha256"][spec.file] = writer.sha256
     tmp_config = checkpoint / f".{CONFIG_FILE}.tmp-{os.getpid()}"
     tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     os.replace(tmp_config, checkpoint / CONFIG_FILE)
@@ -202,6 +211,10 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{checkpoint / CONFIG_FILE}: malformed edge0.prerouter ({e})") from None
     meta = header.metadata
+    try:
+        check_generation(path, meta, config["edge0"].get(GENERATION_KEY), required=False)
+    except TensorFileError as e:
+        raise CheckpointError(str(e)) from None
     if meta.get("format") != PREROUTER_FORMAT or meta.get("version") != str(PREROUTER_VERSION):
         raise fail(f"not an edge0 prerouter file of version {PREROUTER_VERSION} "
                    f"(format {meta.get('format')!r}, version {meta.get('version')!r})")

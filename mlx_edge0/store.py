@@ -3,7 +3,8 @@
 Contract:
 - Every layer file's header is validated at open (offsets inside the file, no
   overlap, each expert's nine tensors adjacent, dtype and shape exactly those
-  of the config's expert geometry), so a bad file fails at load, naming itself.
+  of the config's expert geometry, the generation of config.json), so a bad
+  file, or one of another conversion, fails at load, naming itself.
 - Reads use ``os.preadv`` from a small thread pool straight into MLX-owned
   buffers allocated on the calling (compute) thread: no mmap page faults, no
   second copy. Reads the caller waits on at once (``urgent``: on-demand
@@ -49,6 +50,7 @@ import numpy as np
 
 from .checkpoint import Edge0Section, ExpertGeometry, expert_file, tensor_name
 from .expert_math import ExpertWeights
+from .integrity import check_generation
 from .slots import PAGE, SlotBuffers, address
 from .telemetry import Telemetry
 from .tensorfile import DTYPES, MX_TO_CODE, TensorFileError, read_header
@@ -103,7 +105,7 @@ class LayerFile:
     """One open, validated ``experts/layer_NNN.safetensors``."""
 
     def __init__(self, path: Path, geometry: ExpertGeometry, alignment: int,
-                 bypass_page_cache: bool = False):
+                 bypass_page_cache: bool = False, *, generation: Optional[str] = None):
         self.path = path
         self.bypass_page_cache = bypass_page_cache
         self.geometry = geometry
@@ -145,6 +147,7 @@ class LayerFile:
                 )
             offsets.append(start)
         self.offsets = offsets
+        check_generation(path, header.metadata, generation)  # after the layout: its errors say more
         self.fd = open_for_reads(path, bypass_page_cache)
         self.direct = bypass_page_cache and DIRECT_FLAG != 0
         opened = os.fstat(self.fd)
@@ -389,6 +392,7 @@ class ExpertStore:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.geometry = section.experts
         self.alignment = section.alignment
+        self.generation = section.generation
         self.telemetry = telemetry or Telemetry()
         self.bypass_page_cache = bypass_page_cache
         self.suspect = False  # a read failed: check every file before the next read
@@ -401,7 +405,8 @@ class ExpertStore:
                     raise TensorFileError(
                         f"{path}: expert file for MoE layer {layer} is missing"
                     )
-                self.layers[layer] = LayerFile(path, self.geometry, section.alignment, bypass_page_cache)
+                self.layers[layer] = LayerFile(path, self.geometry, section.alignment, bypass_page_cache,
+                                               generation=section.generation)
         except BaseException:
             self.close()
             raise
@@ -454,7 +459,8 @@ class ExpertStore:
                 if lf.replaced():
                     wait_all(lf.in_flight)  # then nothing reads the old descriptor
                     try:
-                        fresh = LayerFile(lf.path, self.geometry, self.alignment, self.bypass_page_cache)
+                        fresh = LayerFile(lf.path, self.geometry, self.alignment, self.bypass_page_cache,
+                                          generation=self.generation)
                     except TensorFileError as e:
                         raise ExpertReadError(f"{e} (reopening it after a failed read)") from None
                     lf.close()

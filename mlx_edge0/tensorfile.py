@@ -10,6 +10,7 @@ for direct reads.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -194,6 +195,9 @@ class TensorWriter:
         entries: ``(name, dtype_code, shape)`` in the order the data is written.
         metadata: string metadata stored in ``__metadata__``.
         alignment: the data section starts at a multiple of this many bytes.
+
+    ``sha256`` is the digest of the bytes written, hashed on the way (a
+    checksum without reading a multi-gigabyte file back).
     """
 
     def __init__(
@@ -224,9 +228,19 @@ class TensorWriter:
         self.data_start = 8 + len(raw)
         self.data_bytes = offset
         self._next = 0
+        self._digest = hashlib.sha256()
         self._file = open(self.path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._emit(struct.pack("<Q", len(raw)))
+        self._emit(raw)
+
+    def _emit(self, buf: bytes | memoryview) -> None:
+        self._file.write(buf)
+        self._digest.update(buf)
+
+    @property
+    def sha256(self) -> str:
+        """Hex SHA-256 of everything written so far (the whole file once closed)."""
+        return self._digest.hexdigest()
 
     def write(self, name: str, data: mx.array | np.ndarray | bytes | memoryview) -> None:
         """Write the next planned tensor."""
@@ -243,7 +257,7 @@ class TensorWriter:
             buf = memoryview(data).cast("B")
         if buf.nbytes != n:
             raise ValueError(f"{self.path}: tensor {name!r} is {buf.nbytes} bytes, planned {n}")
-        self._file.write(buf)
+        self._emit(buf)
         self._next += 1
 
     def close(self) -> None:
