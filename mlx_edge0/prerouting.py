@@ -14,13 +14,20 @@ telemetry: ``prerouted``, ``staged_drops``).
 Per-sequence state (each owner's last one-hot, its prediction, and whether
 that prediction is valid) lives in one extra ``ArraysCache`` appended to the
 model's ``make_cache()`` list, so mlx-lm's batching (merge, filter, extend,
-extract) and prompt-cache reuse carry it with the sequence. A sequence with no
-valid prediction (a fresh cache, a one-token prompt) routes with the gate at
-that step; sequences that have one route with it, batched or alone.
+extract) and prompt-cache reuse (``save_prompt_cache``/``load_prompt_cache``,
+the server's prompt cache) carry it with the sequence. A sequence with no
+valid prediction (a fresh cache) routes its first token with the gate.
 
-Prefill does not predict, but the heads run on each sequence's last prompt
-token (``lengths`` of a right-padded batch prompt are honoured), so the first
-decode step is already staged.
+Invariant: a token's routing on a prerouted layer is a function of the
+token sequence alone, never of how it was split into forwards. Every token
+after a sequence's first routes with its owner head's prediction made at the
+token before — in a prompt chunk too, where the heads run on every position
+(``lengths`` of a right-padded batch prompt are honoured) and the chunk's
+first token takes the prediction carried in the state. So a prompt continued
+from a saved cache, a prompt cut into chunks of any size and a decoded
+sequence all compute the same numbers (the heads' rows do not depend on how
+many rows are multiplied at once). Only decode stages: a prompt chunk routes
+with the same predictions but reads its experts like any prefill.
 
 With a staged window (``Options.staged_window`` = N) the routing is still
 decided when the step opens, but only the first N prerouted layers' fills
@@ -81,7 +88,9 @@ class Prerouting:
         self.order: list[int] = []  # this step's planned consumers, in layer order
         self.window = runtime.staged_window
         self.window_user: dict[int, int] = {}  # window buffer -> consumer last staged into it
-        self.partial: dict[int, tuple[mx.array, mx.array]] = {}  # consumer -> (valid [B], logits)
+        # consumer -> (use [B, L], predicted logits [B, L, E]): positions routed with
+        # a prediction where the plan does not cover the whole forward
+        self.partial: dict[int, tuple[mx.array, mx.array]] = {}
 
     def make_cache(self) -> ArraysCache:
         """The per-sequence prediction state (see the module docstring)."""
@@ -142,7 +151,7 @@ class Prerouting:
             if not valid_host[j].any():
                 continue
             if not valid_host[j].all():  # mixed batch: gate for the rest, on demand
-                self.partial[consumer] = (valids[j], logits[j])
+                self.partial[consumer] = (valids[j][:, None], logits[j][:, None, :])
                 continue
             self.planned[consumer] = Planned(*routed[j], np.unique(inds_host[j]))
         self.order = sorted(self.planned)
@@ -181,14 +190,19 @@ class Prerouting:
         del self.planned[layer]
         return planned
 
-    def mix(self, layer: int, gate_logits: mx.array) -> mx.array:
-        """Router logits for a batch where only some sequences have a
-        prediction: theirs for those, the gate's for the rest."""
+    def mix(self, layer: int, inds: mx.array, scores: mx.array) -> tuple[mx.array, mx.array]:
+        """Routing for a forward the plan does not cover (a prompt chunk, or a
+        batch where only some sequences have a prediction): the predictions,
+        through the layer's own routing math, where there are any; the gate's
+        ``inds``/``scores`` elsewhere. Routed apart and then selected, so a
+        predicted position gets exactly what decode gives it."""
         part = self.partial.pop(layer, None)
         if part is None:
-            return gate_logits
-        valid, logits = part
-        return mx.where(valid[:, None, None], logits[:, None, :].astype(gate_logits.dtype), gate_logits)
+            return inds, scores
+        use, logits = part  # [B, L], [B, L, E]
+        p_inds, p_scores = self.blocks[layer].route(logits)
+        use = use[..., None]
+        return mx.where(use, p_inds, inds), mx.where(use, p_scores, scores)
 
     def experts(self, layer: int, x: mx.array, planned: Planned) -> mx.array:
         """Compute a prerouted layer from its staged buffer (waiting only for it)."""
@@ -215,14 +229,24 @@ class Prerouting:
         return y
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
-        """Owner layers: run the head on each sequence's last token, keep its prediction."""
+        """Owner layers: run the head on every position; keep the prediction
+        made at each sequence's last token, and hand a prompt chunk's
+        predictions to the consumer for the positions after each one."""
         head = self.heads.get(layer)
         state = self.state
         if head is None or state is None:
             return
+        # x: [B, L, D]; inds: [B, L, K]; one-hots, predictions: [B, L, E]
         B, L = x.shape[0], x.shape[1]
         s = self._slot(layer)
         num_experts = self.runtime.section.experts.num_experts
+        old_now, old_logits, old_valid = state[s], state[s + 1], state[s + 2]
+        onehots = topk_onehot(inds, num_experts)
+        carried = mx.zeros_like(onehots[:, 0]) if old_now is None else old_now * old_valid[:, None]
+        prevs = mx.concatenate([carried[:, None], onehots[:, :-1]], axis=1)
+        predicted = head(x, onehots, prevs)  # made at t, for t + 1
+        if L > 1:
+            self._hand_on(self.consumer_of[layer], predicted, old_logits, old_valid)
         rows = mx.arange(B)
         if state.lengths is not None:  # a right-padded batch prompt chunk
             remaining = state.lengths.astype(mx.int32)
@@ -231,12 +255,7 @@ class Prerouting:
         else:
             last = mx.full((B,), L - 1, mx.int32)
             update = None
-        now = topk_onehot(inds[rows, last], num_experts)
-        prev_in_chunk = topk_onehot(inds[rows, mx.maximum(last - 1, 0)], num_experts)
-        old_now, old_logits, old_valid = state[s], state[s + 1], state[s + 2]
-        carried = mx.zeros_like(now) if old_now is None else old_now * old_valid[:, None]
-        prev = mx.where((last >= 1)[:, None], prev_in_chunk, carried)
-        logits = head(x[rows, last], now, prev)
+        now, logits = onehots[rows, last], predicted[rows, last]
         valid = mx.ones((B,), mx.bool_)
         if update is not None and old_valid is not None:
             now = mx.where(update[:, None], now, old_now)
@@ -245,3 +264,14 @@ class Prerouting:
         elif update is not None:
             valid = update
         state[s], state[s + 1], state[s + 2] = now, logits, valid
+
+    def _hand_on(self, consumer: int, predicted: mx.array, carried: Optional[mx.array],
+                 carried_valid: Optional[mx.array]) -> None:
+        """A prompt chunk's routing for ``consumer``: position t takes the
+        prediction made at t - 1; the first position the carried one, if valid."""
+        B, L, E = predicted.shape
+        if carried is None:
+            carried, carried_valid = mx.zeros((B, E), predicted.dtype), mx.zeros((B,), mx.bool_)
+        logits = mx.concatenate([carried[:, None].astype(predicted.dtype), predicted[:, :-1]], axis=1)
+        use = mx.concatenate([carried_valid[:, None], mx.ones((B, L - 1), mx.bool_)], axis=1)
+        self.partial[consumer] = (use, logits)

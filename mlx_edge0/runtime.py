@@ -117,10 +117,9 @@ class StreamingRuntime:
             y = self.prerouting.experts(layer, x, planned)
             inds, scores = planned.inds, planned.scores
         else:
-            logits = block.router_logits(x)
+            inds, scores = block.route(block.router_logits(x))
             if self.prerouting is not None:
-                logits = self.prerouting.mix(layer, logits)
-            inds, scores = block.route(logits)
+                inds, scores = self.prerouting.mix(layer, inds, scores)
             y = path.experts(layer, x, inds)
         if self.prerouting is not None:
             self.prerouting.observe(layer, x, inds)

@@ -138,8 +138,9 @@ def test_default_spec_links_consecutive_moe_layers():
 
 
 class OracleHead:
-    """Returns, on its k-th call, the consumer's true router logits at the next
-    forward (recorded from an exact run): a head that is always right."""
+    """On its k-th call (the k-th forward), returns at each position the
+    consumer's true router logits at the next position (recorded from an exact
+    run, one [B, L, E] per forward): a head that is always right."""
 
     def __init__(self, recorded: list[mx.array]):
         self.recorded = recorded
@@ -151,8 +152,8 @@ class OracleHead:
     def __call__(self, h, onehot_now, onehot_prev):
         k = self.calls
         self.calls += 1
-        nxt = self.recorded[k + 1] if k + 1 < len(self.recorded) else self.recorded[-1]
-        return nxt[:, -1].astype(mx.float32)
+        nxt = self.recorded[k + 1][:, :1] if k + 1 < len(self.recorded) else self.recorded[-1][:, -1:]
+        return mx.concatenate([self.recorded[k][:, 1:], nxt], axis=1).astype(mx.float32)
 
 
 def _prompt_ids(path):

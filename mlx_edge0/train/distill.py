@@ -59,7 +59,7 @@ def distill_terms(student_logits: mx.array, teacher_logits: mx.array, top_k: int
 def distill_loss(student: StudentPath, batch: dict, prompt_tokens: int, topk_weight: float = 1.0,
                  tail_weight: float = 1.0) -> mx.array:
     rows, teacher_logits = batch["tokens"], batch["teacher_logits"]
-    terms = distill_terms(student_logits(student, rows, prompt_tokens), teacher_logits)
+    terms = distill_terms(student_logits(student, rows), teacher_logits)
     per_position = terms["reverse_kl"] + topk_weight * terms["topk"] + tail_weight * terms["tail"]
     return masked_mean(per_position, continuation_mask(*per_position.shape, prompt_tokens))
 

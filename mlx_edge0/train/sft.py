@@ -3,8 +3,8 @@
 The fp teacher continues prompts of real train text (seeded sampling, or
 greedy); the served model — int4, prerouter ON, heads frozen — learns those
 continuations with cross-entropy through :class:`StudentPath`, routed exactly
-as serving would route a prompt followed by decoding
-(``gate_positions = P - 1``, see student.py). Only the LoRA A/B matrices
+as serving routes a prompt followed by decoding (``gate_positions=1``, see
+student.py). Only the LoRA A/B matrices
 train; the base and the heads stay frozen. Heads first, SFT second: the
 adapters learn around the heads the model will be served with.
 """
@@ -32,14 +32,14 @@ from .student import StudentPath
 DATA_FILE = "sft_data.npy"
 
 
-def student_logits(student: StudentPath, rows: mx.array, prompt_tokens: int) -> mx.array:
-    """Logits for ``rows[:, :-1]`` routed as served after a ``prompt_tokens`` prompt."""
-    return student(rows[:, :-1], gate_positions=max(prompt_tokens - 1, 1))
+def student_logits(student: StudentPath, rows: mx.array) -> mx.array:
+    """Logits for ``rows[:, :-1]`` routed as served (prompt and continuation alike)."""
+    return student(rows[:, :-1], gate_positions=1)
 
 
 def sft_loss(student: StudentPath, rows: mx.array, prompt_tokens: int) -> mx.array:
     """Cross-entropy on the generated tokens of ``rows`` [B, P + G]."""
-    logits = student_logits(student, rows, prompt_tokens)
+    logits = student_logits(student, rows)
     ce = nn.losses.cross_entropy(logits.astype(mx.float32), rows[:, 1:])
     return masked_mean(ce, continuation_mask(*ce.shape, prompt_tokens))
 

@@ -6,7 +6,7 @@ with the prerouter on. The convention, per sequence (pinned by a test against
 step-by-step decoding through the model's ``make_cache``):
 
 - positions ``t < gate_positions`` route every MoE layer with its own gate
-  (a prompt prefill; the first token of a fresh cache has no prediction);
+  (the first token of a fresh cache has no prediction);
 - at ``t >= gate_positions`` each consumer layer ``c`` routes with its owner
   head's output made at ``t - 1``: ``head(h_N[t-1], on_N[t-1], on_N[t-2])``
   (``on_N[-1] = 0``), fed to ``c``'s own routing math; layers without an
@@ -15,9 +15,9 @@ step-by-step decoding through the model's ``make_cache``):
   layer N actually used at t (its prediction, for an owner that is itself a
   consumer) — the student's own hidden states and routing, never the base's.
 
-Decoding token by token from a fresh cache is ``gate_positions=1``;
-``mlx_lm.generate_step`` with a P-token prompt prefills P-1 tokens and
-decodes the last, so it is ``gate_positions=max(P-1, 1)``.
+Serving is ``gate_positions=1`` whatever the prompt: decoding token by token
+from a fresh cache, and a prompt in chunks of any size, since prompt chunks
+route with the predictions too (see :mod:`mlx_edge0.prerouting`).
 
 Experts are the checkpoint's int4 tensors held resident (tiny models only;
 nothing streams): ``gather_qmm`` on the int4 reconstruction, the same
