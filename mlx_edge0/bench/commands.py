@@ -10,6 +10,7 @@ from typing import Optional
 import click
 
 from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm
+from .regime import Regime
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .report import write_report
@@ -114,7 +115,12 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
               help="K on the prerouted layers of edge0 arms (needs heads for it); stock stays native.")
 @click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
               help="Seconds before a run is killed and recorded as failed.")
-def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
+@click.option("--memory-cap", "memory_cap_gib", type=float, default=None,
+              help="Run each arm in its own memory cgroup capped at GIB (page cache included; Linux, root).")
+@click.option("--read-mbps", type=float, default=None,
+              help="Throttle each arm's reads of the checkpoint's disk to N MB/s (cgroup; Linux, root).")
+def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], memory_cap_gib: Optional[float],
+        read_mbps: Optional[float], **kwargs):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
     expanded = []
     for arm in arms:
@@ -123,14 +129,15 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], **kwargs):
         else:
             expanded.append(arm)
     try:
-        options = BenchOptions(out=out, arms=tuple(expanded), **kwargs)
+        regime = Regime(memory_cap_gib, read_mbps)
+        options = BenchOptions(out=out, arms=tuple(expanded), regime=regime, **kwargs)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     results = run_bench(options, command=command_line())
     click.echo(markdown_table(results["summary"]))
     click.echo(f"\nResults: {out}")
     summary = results["summary"]["arms"].values()
-    if any(e["ok"] == 0 for e in summary):
+    if any(e["ok"] == 0 and e.get("oom", 0) < e["runs"] for e in summary):  # an OOM kill is a result
         sys.exit(1)
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from ..options import GIB, available_memory
 from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, parse_arm
+from .regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
 CACHES = ("cold", "warm", "pressure")
 STDERR_TAIL = 4000
@@ -57,6 +58,9 @@ class BenchOptions:
             recording it as skipped.
         resume: keep the successful runs of an earlier ``out`` made with the
             same options and run only the rest.
+        regime: memory cap and read throughput of every arm's process
+            (:mod:`mlx_edge0.bench.regime`); an arm the OOM killer ends is a
+            result, not an error.
     """
 
     out: Path
@@ -75,6 +79,7 @@ class BenchOptions:
     profile: bool = False
     memory_wait_s: float = 900.0
     resume: bool = False
+    regime: Regime = Regime()
 
     def __post_init__(self):
         if not self.arms:
@@ -95,6 +100,12 @@ class BenchOptions:
                 raise ValueError(f"arm {arm!r} needs {flag} DIR")
             if not (Path(path) / "config.json").is_file():
                 raise ValueError(f"{path}: no config.json; is this a checkpoint directory?")
+            unavailable = regime_unavailable(self.regime, Path(path))
+            if unavailable:
+                raise ValueError(f"{self.regime.label()}: {unavailable}")
+        if self.regime.memory_cap_gib is not None and "warm" in self.caches:
+            raise ValueError("a memory cap needs a cold page cache (pages cached before the run are charged "
+                             "to another cgroup): use --cache cold or pressure")
 
     def arm_path(self, arm: str) -> Optional[Path]:
         return self.stock if parse_arm(arm)[0] == "stock" else self.edge0
@@ -166,13 +177,28 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(spec: RunSpec, timeout_s: float) -> dict:
-    """Run one measurement in a fresh process; failures come back as records."""
+def run_child(spec: RunSpec, timeout_s: float, regime: Regime = Regime()) -> dict:
+    """Run one measurement in a fresh process (in its own cgroup when
+    ``regime`` caps it); failures come back as records."""
+    if not regime.active:
+        return _run_child(spec, timeout_s)
+    name = f"edge0-bench-{os.getpid()}-{time.monotonic_ns()}"
+    with ArmCgroup(regime, own_cgroups(), block_device(spec.path), name) as cgroup:
+        record = _run_child(spec, timeout_s, preexec=cgroup.join)
+        stats = cgroup.stats()
+    record["cgroup"] = stats
+    if not record["ok"] and stats.get("oom_kills"):
+        record.update(oom=True, error=f"OOM at {regime.memory_cap_gib:g} GiB (killed by the OOM killer)")
+    return record
+
+
+def _run_child(spec: RunSpec, timeout_s: float, preexec: Optional[Callable[[], None]] = None) -> dict:
     start = time.perf_counter()
     failed = {"arm": spec.arm, "ok": False}
     try:
         proc = subprocess.run(
-            spec.argv(), capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=CODE_ROOT
+            spec.argv(), capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=CODE_ROOT,
+            preexec_fn=preexec,
         )
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-STDERR_TAIL:]
@@ -266,6 +292,9 @@ def summarize(runs: list[dict]) -> dict:
         failures = [r for r in rs if not r["ok"]]
         if failures:
             entry["last_error"] = failures[-1]["error"]
+        ooms = sum(1 for r in failures if r.get("oom"))
+        if ooms:
+            entry["oom"] = ooms
         arms[f"{arm}/{cache}"] = entry
     return {"arms": arms}
 
@@ -342,6 +371,7 @@ def run_bench(
         "command": command,
         "options": options.to_dict(),
         "cache_notes": {c: CACHE_NOTES[c] for c in options.caches},
+        "regime": options.regime.label(),
         "runs": [],
         "summary": {},
     }
@@ -359,11 +389,14 @@ def run_bench(
                     results["runs"].append(earlier[(rnd, cache, arm)])
                     continue
                 spec = options.spec(arm, cache)
-                enough, waited = wait_for_memory(memory_needed(spec), options.memory_wait_s, progress)
+                need = memory_needed(spec)
+                if options.regime.memory_cap_gib is not None:  # the cap bounds what the arm can hold
+                    need = min(need, int(options.regime.memory_cap_gib * GIB))
+                enough, waited = wait_for_memory(need, options.memory_wait_s, progress)
                 note = prepare_page_cache(spec.path, cache)
                 progress(f"{label} ...")
                 if enough:
-                    record = run_child(spec, options.timeout_s)
+                    record = run_child(spec, options.timeout_s, options.regime)
                 else:
                     record = {"arm": arm, "ok": False, "error": (
                         f"skipped: needs about {memory_needed(spec) / GIB:.1f} GiB, "
@@ -380,6 +413,8 @@ def run_bench(
 
 
 def one_line(r: dict) -> str:
+    if r.get("oom"):
+        return f"{r['error']}: a result, not a failure"
     if not r["ok"]:
         return f"FAILED: {r['error']}\n{r.get('stderr_tail', '')}"
     wait = r.get("counters_per_token", {}).get("exposed_wait_ms")
