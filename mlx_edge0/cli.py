@@ -37,13 +37,22 @@ def main() -> None:
 def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> None:
     """Convert SRC (a local mlx-lm / Hugging Face MoE checkpoint dir or an HF repo id)
     into an edge0 checkpoint at OUT."""
+    import warnings
+
     from .checkpoint import human_bytes
     from .conversions import ConversionError, ConvertOptions, convert as run_convert
 
-    try:
-        report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force))
-    except (ConversionError, ValueError, OSError) as e:
-        _fail(str(e))
+    # Warnings (e.g. re-quantization) are for the user: their text after the bars, without
+    # the Python source line the default display adds.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force))
+        except (ConversionError, ValueError, OSError) as e:
+            _fail(str(e))
+        finally:
+            for w in caught:
+                click.echo(f"warning: {w.message}", err=True)
     click.echo(
         f"wrote {report.out}: {report.moe_layers} MoE layers, experts "
         f"{human_bytes(report.expert_bytes)}, resident {human_bytes(report.resident_bytes)}, "
