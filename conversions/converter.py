@@ -19,8 +19,10 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import io
 import json
 import os
 import shutil
@@ -31,7 +33,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -366,7 +368,8 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
     with _atomic_dir(out_dir) as tmp:
         (tmp / EXPERT_DIR).mkdir()
         geometry = None
-        with _progress(list(source.switch_paths.items()), options.show_progress, "experts") as items:
+        with _progress(list(source.switch_paths.items()), options.show_progress, "experts",
+                       lambda it: f"layer {it[0]}") as items:
             for layer, prefix in items:
                 stacked = {}
                 for proj in PROJECTIONS:
@@ -411,12 +414,13 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
     )
 
 
-def _progress(items, show: bool, label: str):
+def _progress(items, show: bool, label: str, describe: Callable[[Any], str]):
+    """A progress bar over ``items``; ``describe(item)`` names the one being written."""
     import click
 
     return click.progressbar(
         items, label=f"edge0 convert: {label}", file=None if show else open(os.devnull, "w"),
-        item_show_func=lambda it: f"layer {it[0]}" if it else "",
+        item_show_func=lambda it: describe(it) if it is not None else "",
     )
 
 
@@ -508,9 +512,12 @@ def _resident_weights(source: _Source, options: ConvertOptions):
         }
         return weights, quantization
     model.load_weights(list(weights.items()), strict=True)
-    model, qconfig = quantize_model(
-        model, dict(config), group_size=options.group_size, bits=options.bits, mode="affine"
-    )
+    # mlx-lm prints "[INFO] Quantized model with N bits per weight" (of the resident part
+    # alone, since the experts are gone) to stdout, between convert's progress bars.
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, qconfig = quantize_model(
+            model, dict(config), group_size=options.group_size, bits=options.bits, mode="affine"
+        )
     return dict(tree_flatten(model.parameters())), qconfig["quantization"]
 
 
@@ -518,9 +525,8 @@ def _write_resident(path: Path, weights: dict, show_progress: bool, generation: 
     names = sorted(weights)
     entries = [(n, dtype_code(weights[n].dtype), tuple(weights[n].shape)) for n in names]
     with TensorWriter(path, entries, {"format": "mlx", GENERATION_KEY: generation}) as writer:
-        bar = _progress([(n,) for n in names], show_progress, "resident")
-        with bar as items:
-            for (name,) in items:
+        with _progress(names, show_progress, "resident tensors", str) as items:
+            for name in items:
                 writer.write(name, weights.pop(name))  # release as written
     return Written(path.stat().st_size, writer.sha256)
 

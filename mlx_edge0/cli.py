@@ -37,13 +37,22 @@ def main() -> None:
 def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> None:
     """Convert SRC (a local mlx-lm / Hugging Face MoE checkpoint dir or an HF repo id)
     into an edge0 checkpoint at OUT."""
+    import warnings
+
     from .checkpoint import human_bytes
     from .conversions import ConversionError, ConvertOptions, convert as run_convert
 
-    try:
-        report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force))
-    except (ConversionError, ValueError, OSError) as e:
-        _fail(str(e))
+    # Warnings (e.g. re-quantization) are for the user: their text after the bars, without
+    # the Python source line the default display adds.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force))
+        except (ConversionError, ValueError, OSError) as e:
+            _fail(str(e))
+        finally:
+            for w in caught:
+                click.echo(f"warning: {w.message}", err=True)
     click.echo(
         f"wrote {report.out}: {report.moe_layers} MoE layers, experts "
         f"{human_bytes(report.expert_bytes)}, resident {human_bytes(report.resident_bytes)}, "
@@ -105,25 +114,36 @@ def _options(**fields) -> Options:
               help="Edge0 checkpoint dir (default: the embedded default model).")
 @click.option("--prompt", "-p", default="def fibonacci(n):", show_default=True)
 @click.option("--max-tokens", "-m", default=64, show_default=True)
-@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
-@click.option("--top-p", default=0.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--min-p", default=0.0, show_default=True)
-@click.option("--seed", default=None, type=int, help="Random seed for sampling.")
+@click.option("--temp", type=float, default=None,
+              help="Sampling temperature, 0 = greedy.  [default: the checkpoint's generation_config.json, else 0]")
+@click.option("--top-p", type=float, default=None, help="[default: generation_config.json, else 0 = off]")
+@click.option("--top-k", type=int, default=None, help="[default: generation_config.json, else 0 = off]")
+@click.option("--min-p", type=float, default=None, help="[default: generation_config.json, else 0 = off]")
+@click.option("--repetition-penalty", type=float, default=None,
+              help="Penalty on tokens seen in the last --repetition-context-size tokens.  "
+                   "[default: generation_config.json, else 1 = off]")
+@click.option("--repetition-context-size", type=int, default=None,
+              help="[default: generation_config.json, else 20]")
+@click.option("--seed", default=0, show_default=True, help="Random seed for sampling (the same seed, the same text).")
 @click.option("--chat/--no-chat", default=False, show_default=True,
               help="Apply the tokenizer's chat template to the prompt.")
 @option_flags
 @click.option("--stats", is_flag=True, help="Print telemetry: reads, hits, waits, resident bytes.")
-def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: float,
-             top_p: float, top_k: int, min_p: float, seed: Optional[int], chat: bool,
-             stats: bool, **option_fields) -> None:
-    """Generate text with an edge0 checkpoint (stock mlx-lm generation loop)."""
+@click.option("--json", "as_json", is_flag=True, help="Print the telemetry as JSON (implies --stats).")
+def generate(model_path: Optional[Path], prompt: str, max_tokens: int, seed: int, chat: bool,
+             stats: bool, as_json: bool, temp: Optional[float], top_p: Optional[float],
+             top_k: Optional[int], min_p: Optional[float], repetition_penalty: Optional[float],
+             repetition_context_size: Optional[int], **option_fields) -> None:
+    """Generate text with an edge0 checkpoint (stock mlx-lm generation loop).
+
+    Sampling starts from the checkpoint's generation_config.json; the flags override it."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import make_sampler
 
     from . import load
     from .checkpoint import CheckpointError
+    from .sampling import read_sampling
+    from .telemetry import format_stats
     from .tensorfile import TensorFileError
 
     options = _options(**option_fields)
@@ -137,20 +157,26 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: flo
 
             model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
         model, tokenizer = load(model_path, **options.to_dict())
+        shipped, source = read_sampling(model_path)
+        sampling = shipped.override(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                    repetition_penalty=repetition_penalty,
+                                    repetition_context_size=repetition_context_size)
     except (CheckpointError, TensorFileError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # e.g. a tokenizer file that cannot be read
         _fail(f"{e.filename or model_path}: cannot be read ({e.strerror or e})")
-    if seed is not None:
-        mx.random.seed(seed)
+    origin = f" (from {source.name}; flags override)" if source is not None else ""
+    click.echo(f"sampling: {sampling.describe()}, seed {seed}{origin}", err=True)
+    mx.random.seed(seed)
     if chat and tokenizer.chat_template is not None:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-    sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
     model.reset_stats()
     response = None
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler):
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                    sampler=sampling.sampler(),
+                                    logits_processors=sampling.logits_processors()):
         click.echo(response.text, nl=False)
     click.echo()
     if response is not None:
@@ -160,8 +186,10 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: flo
             f"peak memory: {response.peak_memory:.3f} GB",
             err=True,
         )
-    if stats:
+    if as_json:
         click.echo(json.dumps({"edge0_stats": model.stats()}, indent=2), err=True)
+    elif stats:
+        click.echo(format_stats(model.stats()), err=True)
 
 
 @main.command()

@@ -84,6 +84,13 @@ def plan_fill(wanted: Sequence[Key], resident: dict[Key, int], free: list[int],
     return dict(zip(misses, rows)), evicted
 
 
+def hot_capacity(budget_bytes: int, row_bytes: int, total_experts: int) -> int:
+    """Rows a byte budget buys: never more than there are expert bundles to
+    hold, so a generous budget on a small checkpoint allocates the experts'
+    size, not the budget."""
+    return min(budget_bytes // row_bytes, total_experts)
+
+
 class HotCache:
     """Expert bundles across layers within ``capacity`` rows (one byte budget)."""
 

@@ -7,11 +7,12 @@ defaults. The CLI is the only place that reads argv.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Union
 
 import mlx.core as mx
+
+from .memory import available_memory
 
 RUNTIME_KEY = "edge0_runtime"
 COMPUTE_DTYPES = ("auto", "native", "float32", "bfloat16", "float16")
@@ -27,18 +28,6 @@ AUTO_CACHE_MEMORY_SHARE = 0.10
 AUTO_CACHE_EXPERT_SHARE = 0.25
 
 
-def available_memory() -> int:
-    """Bytes the OS could give us now (Linux MemAvailable; else half of RAM)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
 @dataclass(frozen=True)
 class Options:
     """Runtime options of a loaded edge0 model.
@@ -51,10 +40,13 @@ class Options:
         io_threads: threads that read expert bytes with ``preadv``.
         cache_gib: hot-cache budget in GiB, or "auto" (10% of available
             memory, at most a quarter of the experts: room is left for the
-            page cache and KV). 0 disables the hot cache.
+            page cache and KV). 0 disables the hot cache. Either way the
+            cache never holds more than all the experts, so a budget above
+            their size allocates their size.
         hot_policy: "lfu" (frequency with aging) or "lru".
         staged: decode through per-layer staged slots (one buffer of K rows each).
-        staged_slots: slots per staged buffer (0 = the layer's K, one routed set).
+        staged_slots: slots per staged buffer (0 = the layer's K, one routed
+            set); at most the number of experts.
         staged_window: staged buffers of the prerouted layers. 0 = one per
             prerouted layer, every fill starts when the step opens (the most
             read-ahead; memory: prerouted layers x K rows). N >= 3 = N

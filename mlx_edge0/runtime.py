@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .checkpoint import Edge0Section
-from .hot import HotCache
+from .hot import HotCache, hot_capacity
 from .options import Options
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
@@ -51,7 +51,8 @@ class StreamingRuntime:
         k = section.num_experts_per_tok
         layers = section.moe_layers
         expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
-        capacity = options.cache_bytes(expert_bytes) // SlotBuffers.row_nbytes(g, pool_dtype)
+        capacity = hot_capacity(options.cache_bytes(expert_bytes), SlotBuffers.row_nbytes(g, pool_dtype),
+                                g.num_experts * len(layers))
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         if options.k and not section.prerouter:
             raise ValueError(
@@ -73,9 +74,12 @@ class StreamingRuntime:
         # without a window), or a window the prerouted layers take in turn.
         window = min(options.staged_window, len(consumer_of))
         staged_layers = layers if options.staged else ([] if window else sorted(consumer_of.values()))
-        self.staged = {l: StagedSlots(self.store, l, options.staged_slots or self.k_of[l], pool_dtype)
+        # A layer never routes to more experts than it has: more slots would stay empty.
+        self.staged = {l: StagedSlots(self.store, l, min(options.staged_slots or self.k_of[l], g.num_experts),
+                                      pool_dtype)
                        for l in staged_layers}
-        self.staged_window = [StagedSlots(self.store, -1, options.staged_slots or spec.k, pool_dtype)
+        self.staged_window = [StagedSlots(self.store, -1, min(options.staged_slots or spec.k, g.num_experts),
+                                          pool_dtype)
                               for _ in range(window)]
         self.loader = WholeLayerLoader(self.store, layers, pool_dtype,
                                        drop_pages=options.page_cache == "drop-prefill")

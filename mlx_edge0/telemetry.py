@@ -84,3 +84,30 @@ class Telemetry:
 
     def reset(self) -> None:
         self.total, self.current, self.last_step = Stats(), Stats(), Stats()
+
+
+def format_stats(stats: dict) -> str:
+    """A readable summary of ``model.stats()`` (``edge0 generate --stats``;
+    ``--json`` prints the dict itself)."""
+    from .checkpoint import human_bytes
+
+    hits, misses = stats["hot_hits"], stats["hot_misses"]
+    hit_rate = f" ({100 * hits / (hits + misses):.0f}% hits)" if hits + misses else ""
+    resident = ", ".join(f"{name.replace('_', ' ')} {human_bytes(n)}"
+                         for name, n in stats["resident_bytes"].items())
+    last = stats["last_step"]
+    lines = [
+        f"edge0 stats: {stats['steps']} forwards, {stats['tokens']} tokens, decode path "
+        f"{stats['decode_path']}, prerouter {'on' if stats['prerouter'] else 'off'}",
+        f"  expert reads    {stats['expert_loads']} experts, {human_bytes(stats['bytes_read'])} in "
+        f"{stats['reads']} reads ({stats['whole_layer_loads']} whole layers), {stats['read_errors']} errors",
+        f"  exposed wait    {stats['exposed_wait_ms']:.1f} ms in all, {last['exposed_wait_ms']:.1f} ms "
+        "on the last step",
+        f"  hot cache       {hits} hits, {misses} misses{hit_rate}",
+        f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
+        f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",
+        f"  prerouted       {stats['prerouted']} layer calls, {stats['staged_drops']} dropped experts",
+        f"  resident        {resident}",
+        f"  peak memory     {human_bytes(stats['peak_memory'])} (MLX)",
+    ]
+    return "\n".join(lines)

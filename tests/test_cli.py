@@ -37,11 +37,18 @@ def test_convert_info_generate(converted, tmp_path):
     (out / "edge0_model.py").write_text(
         "from mlx_edge0.plugin import bind; Model, ModelArgs = bind(__file__)  # noqa\n"
     )
-    r = runner.invoke(main, ["generate", "--model", str(out), "--max-tokens", "8", "--stats"])
+    r = runner.invoke(main, ["generate", "--model", str(out), "--max-tokens", "8", "--stats", "--json"])
     assert r.exit_code == 0, r.output
     stats = json.loads(r.output[r.output.index("{"):])["edge0_stats"]
     assert stats["expert_loads"] > 0 and stats["bytes_read"] > 0
     assert "generation: 8 tokens" in r.output
+    assert "sampling: greedy, seed 0\n" in r.output  # no generation_config.json in this checkpoint
+
+    r = runner.invoke(main, ["generate", "--model", str(out), "--max-tokens", "8", "--stats"])
+    assert r.exit_code == 0, r.output
+    assert "{" not in r.output.split("generation: 8 tokens")[1]
+    assert "edge0 stats: 10 forwards, 19 tokens, decode path hot" in r.output  # 11 prompt + 8 decoded tokens
+    assert "  hot cache       " in r.output and "  peak memory     " in r.output
 
 
 def test_default_model_is_the_packaged_trained_moe():
@@ -66,7 +73,7 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch):
 def test_staged_window_flag_reaches_the_model_and_bad_values_fail_clearly():
     staged = {}
     for window in ("0", "3"):  # the default model has 5 prerouted layers
-        r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", window, "--stats"])
+        r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", window, "--json"])
         assert r.exit_code == 0, r.output
         stats = json.loads(r.output[r.output.index("{"):])["edge0_stats"]
         assert stats["prerouted"] > 0

@@ -99,6 +99,27 @@ def test_other_bits_are_requantized_with_a_warning(tmp_path, qwen, tokenizer_dir
     assert mx.all(mx.isfinite(out)).item()
 
 
+def test_cli_convert_prints_bars_warnings_as_one_line_and_no_mlx_lm_info(tmp_path, qwen, tokenizer_dir):
+    from click.testing import CliRunner
+
+    from mlx_edge0.cli import main
+
+    model, config, _ = qwen
+    src8, src_float = tmp_path / "src8", tmp_path / "src-bf16"
+    tiny.save_mlx(model, config, src8, tokenizer_dir, bits=8)
+    tiny.save_mlx(model, config, src_float, tokenizer_dir)
+    r = CliRunner().invoke(main, ["convert", str(src8), str(tmp_path / "out8")])
+    assert r.exit_code == 0, r.output
+    assert (f"warning: {src8}: experts are 8-bit group 64; re-quantizing to 4-bit group 64 "
+            "(quality may change)\n") in r.output
+    assert "warnings.warn" not in r.output and "UserWarning" not in r.output
+    r = CliRunner().invoke(main, ["convert", str(src_float), str(tmp_path / "out-bf16")])
+    assert r.exit_code == 0, r.output
+    assert "[INFO]" not in r.output and "warning" not in r.output
+    assert "edge0 convert: experts" in r.output and "edge0 convert: resident tensors" in r.output
+    assert r.output.rstrip().splitlines()[-1].startswith(f"wrote {tmp_path / 'out-bf16'}: 3 MoE layers")
+
+
 def test_refusals(tmp_path, qwen):
     _, _, ref = qwen
     out = tmp_path / "out"

@@ -6,7 +6,9 @@ import mlx.core as mx
 import pytest
 
 import mlx_edge0
+from mlx_edge0.hot import hot_capacity
 from mlx_edge0.options import GIB, Options
+from mlx_edge0.slots import SlotBuffers
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,18 @@ def test_cache_budget_resolution():
     assert 0 < auto <= GIB  # at most a quarter of the experts
     assert Options(compute_dtype="auto").dtype() == (mx.float32 if mx.default_device() == mx.cpu else None)
     assert Options(compute_dtype="native").dtype() is None
+
+
+def test_a_budget_never_holds_more_than_all_the_experts(converted):
+    assert hot_capacity(GIB, 1000, 96) == 96
+    assert hot_capacity(5999, 1000, 96) == 5
+    model = mlx_edge0.load_model(converted("qwen3_moe").edge0, cache_gib=1.0, staged=True, staged_slots=1000)
+    section = model.edge0_section
+    g = section.experts
+    row = SlotBuffers.row_nbytes(g, model.edge0_runtime.pool_dtype)
+    resident = model.stats()["resident_bytes"]
+    assert resident["hot"] == g.num_experts * len(section.moe_layers) * row < GIB // 100
+    assert resident["staged"] == g.num_experts * len(section.moe_layers) * row  # slots capped at the experts
 
 
 def test_page_cache_policies_give_the_same_numbers(converted):

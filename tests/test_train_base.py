@@ -326,3 +326,30 @@ def test_train_base_command_is_registered_and_validates():
     r = CliRunner().invoke(main, ["train", "base", "/tmp/never-written", "--vocab-size", "100"])
     assert r.exit_code == 1 and "vocab_size must be >= 512" in r.output
     assert not Path("/tmp/never-written").exists()
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_training_record_holds_no_path_of_the_build_machine(tmp_path):
+    from mlx_edge0.default_model import default_checkpoint, default_teacher
+
+    split = data.split_corpus(write_tree(tmp_path / "lib", {f"m{i}.py": f"x = {i}\n" for i in range(40)}))
+    report = base.BaseReport(teacher=tmp_path / "out" / "teacher", train_tokens=1, held_out_tokens=1,
+                             final_train_loss=1.0, held_out={}, training_seconds=1.0, tokens_per_s=1.0)
+    record = base.training_record(base.BaseOptions(out_dir=tmp_path / "out"), split, report)
+    assert record["report"]["teacher"] == "teacher" and "out_dir" not in record["options"]
+    assert record["corpus_sha256"] == data.fingerprint(split.root, split.train + split.held_out)
+    assert not [s for s in _strings(record) if str(tmp_path) in s]
+    json.dumps(record)
+    for shipped in (default_checkpoint(), default_teacher()):
+        strings = list(_strings(json.loads((shipped / base.TRAINING_FILE).read_text())))
+        assert strings and not [s for s in strings if s.startswith("/")], shipped

@@ -9,6 +9,8 @@ from typing import Optional
 
 import click
 
+from ..checkpoint import human_bytes
+from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
 from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm
 from .regime import Regime
 from .runner import CACHES, BenchOptions, run_bench
@@ -146,8 +148,9 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], memory_cap
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Results directory [default: benchmarks/results/GEOMETRY[-LN]].")
 @click.option("--data", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("~/.cache/mlx-edge0/bench").expanduser(), show_default=True,
-              help="Where the synthetic and converted checkpoints are made or reused.")
+              default=DEFAULT_DATA, show_default=True,
+              help="Where the synthetic and converted checkpoints are made or reused (a stock and an "
+                   "edge0 copy: about twice the geometry's size; `edge0 bench clean` removes them).")
 @click.option("--layers", type=click.IntRange(min=1), help="Keep only N decoder layers.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
@@ -197,6 +200,23 @@ def suite(out: Optional[Path], quick: bool, **kwargs):
     md, html = write_report(results, options.out)
     click.echo(md.read_text())
     click.echo(f"Report: {html}\nSummary: {md}\nResults: {options.out / 'suite.json'}")
+    kept = bench_checkpoints(options.data)
+    click.echo(f"Checkpoints kept for reruns: {human_bytes(sum(c.nbytes for c in kept))} in {options.data} "
+               f"({', '.join(c.path.name for c in kept)}); `edge0 bench clean --data {options.data}` "
+               "removes them.")
+
+
+@bench.command("clean")
+@click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DATA,
+              show_default=True, help="The directory `edge0 bench suite --data` wrote to.")
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+def clean(data: Path, dry_run: bool):
+    """Remove the synthetic checkpoints the bench made under DATA (nothing else)."""
+    found = bench_checkpoints(data) if dry_run else remove_checkpoints(data)
+    verb = "would remove" if dry_run else "removed"
+    for c in found:
+        click.echo(f"{verb} {c.path} ({human_bytes(c.nbytes)})")
+    click.echo(f"{verb} {human_bytes(sum(c.nbytes for c in found))} in {len(found)} checkpoints under {data}")
 
 
 @bench.command("report")

@@ -28,6 +28,7 @@ import numpy as np
 from ..tiny import BOS_ID, EOS_ID, model_module, save_mlx, tiny_config, train_tokenizer
 from .data import (
     HELD_OUT_FRACTION,
+    CorpusSplit,
     TokenBatches,
     eval_windows,
     fingerprint,
@@ -234,15 +235,22 @@ def train_base(options: BaseOptions, log: Callable[[str], None] = print) -> Base
         training_seconds=losses[-1]["elapsed_s"] if losses else 0.0,
         tokens_per_s=_mean_rate(losses),
     )  # fmt: skip
-    record = {
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
-        "python": platform.python_version(), "stdlib": str(split.root),
+    (teacher / TRAINING_FILE).write_text(json.dumps(training_record(options, split, report), indent=2) + "\n")
+    return report
+
+
+def training_record(options: BaseOptions, split: CorpusSplit, report: BaseReport) -> dict:
+    """What ``training.json`` says: options, Python version, corpus hash, held-out
+    files, report. It ships with the model, so it holds no path of the machine that
+    built it: the corpus is named by Python version and hash, the teacher by its
+    directory name."""
+    return {
+        "options": {k: v for k, v in asdict(options).items() if k != "out_dir"},
+        "python": platform.python_version(), "corpus": "the standard library of that Python",
         "corpus_sha256": fingerprint(split.root, split.train + split.held_out),
         "train_files": len(split.train), "held_out_files": list(split.held_out),
-        "report": report.as_dict(),
+        "report": {**report.as_dict(), "teacher": report.teacher.name},
     }  # fmt: skip
-    (teacher / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    return report
 
 
 def _mean_rate(entries: list[dict]) -> float:
