@@ -17,7 +17,7 @@ from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.measure import RunSpec, arm_base, parse_arm
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
 from mlx_edge0.bench.tables import agreement_note, arm_label
-from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, summarize
+from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, runs_to_make, summarize
 from mlx_edge0.bench.suite import (
     SuiteOptions,
     heads_k,
@@ -47,7 +47,7 @@ def _svgs_parse(html: str) -> int:
     return len(svgs)
 
 
-def test_suite_runs_end_to_end_and_report_renders(tmp_path):
+def test_suite_runs_end_to_end_and_report_renders(tmp_path, capsys):
     options = tiny_suite(tmp_path, phases=("main", "sweep", "profile", "low-k"))
     lines: list[str] = []
     suite = run_suite(options, command=["edge0", "bench", "suite", "--test"], progress=lines.append)
@@ -56,6 +56,9 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
     failed = [r for rs in runs.values() for r in rs if not r["ok"]]
     assert not failed, failed[0].get("stderr_tail")
     assert [r["arm"] for r in runs["main"]] == ["stock", "edge0-exact", "edge0-prerouter@0.01"]
+    # One bar counts every phase's runs: the suite's ETA, not a phase's.
+    err, total = capsys.readouterr().err, sum(map(len, runs.values()))
+    assert "suite runs: 100%" in err and f"| {total}/{total} [" in err, err
     assert {r["arm"] for r in runs["sweep"]} == {"edge0-exact", "edge0-prerouter@0", "edge0-prerouter@0.01"}
 
     # K swapped by heads files: native K=4 first, K=2 for the low-K phases.
@@ -90,7 +93,8 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
     again = BenchOptions(**{**phase, "out": Path(phase["out"]), "stock": Path(phase["stock"]),
                             "edge0": Path(phase["edge0"]), "arms": tuple(phase["arms"]),
                             "caches": tuple(phase["caches"])})  # fmt: skip
-    run_bench(again, ["again"], progress=kept.append)
+    assert runs_to_make(again) == 0
+    run_bench(again, ["again"], progress=kept.append, show_progress=False)
     assert sum("kept from" in line for line in kept) == 3
     # Adding a cache state keeps the runs already made and measures only the new ones.
     kept.clear()
