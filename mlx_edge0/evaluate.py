@@ -29,6 +29,7 @@ from mlx.utils import tree_unflatten
 
 from . import lora
 from .prerouter import PrerouterSpec, init_heads
+from .progress import track
 from .train.base import load_teacher
 from .train.heads import evaluate_heads, head_features
 from .train.phases import corpus_tokens, load_served, mean_nll
@@ -41,6 +42,10 @@ class EvalOptions:
     windows: int = 32
     batch_size: int = 8
     max_files: int = 0  # held-out files read (evenly spaced; 0 = all)
+
+    def __post_init__(self):
+        if self.seq_len < 1 or self.windows < 1 or self.batch_size < 1 or self.max_files < 0:
+            raise ValueError(f"seq_len, windows and batch_size must be >= 1 and max_files >= 0, got {self}")
 
 
 def held_out(checkpoint: Path, options: EvalOptions) -> mx.array:
@@ -98,19 +103,24 @@ def _logits(forward, windows: mx.array, batch_size: int) -> mx.array:
 
 
 def evaluate(checkpoint: Path, teacher: Optional[Path] = None, adapters: Optional[dict[str, Path]] = None,
-             options: EvalOptions = EvalOptions(), log=print) -> dict:
+             options: EvalOptions = EvalOptions(), log=print, *, show_progress: bool = True) -> dict:
     """The table (see the module docstring) as a JSON-able dict.
 
     ``adapters``: row label -> adapter dir (e.g. {"SFT LoRA": run2, "distill LoRA": run3});
     the checkpoint's own adapters get a row of their own when it has them.
+    ``log`` gets each row's perplexity; ``show_progress`` draws a bar on
+    stderr while each row is scored.
     """
     checkpoint = Path(checkpoint)
     windows = held_out(checkpoint, options)
-    score = lambda forward: mean_nll(forward, windows, options.batch_size)  # noqa: E731
+
+    def score(forward, name: str) -> float:
+        return mean_nll(forward, windows, options.batch_size, label=f"eval: {name}" if show_progress else None)
+
     rows, teacher_nll = [], None
     if teacher is not None:
         teacher_model = load_teacher(teacher)
-        teacher_nll = score(teacher_model)
+        teacher_nll = score(teacher_model, "fp teacher")
         rows.append(_row("fp teacher", teacher_nll, teacher_nll))
         del teacher_model
         log(f"eval: fp teacher ppl {rows[-1]['ppl']:.3f}")
@@ -125,7 +135,7 @@ def evaluate(checkpoint: Path, teacher: Optional[Path] = None, adapters: Optiona
     if served.heads:
         variants.append(("int4 + checkpoint heads", served))
     for name, student in variants:
-        rows.append(_row(name, score(lambda x, s=student: s(x)), teacher_nll))
+        rows.append(_row(name, score(lambda x, s=student: s(x), name), teacher_nll))
         log(f"eval: {name} ppl {rows[-1]['ppl']:.3f}")
     sets = dict(adapters or {})
     if lora.has_adapters(checkpoint) and not any(_same_adapters(checkpoint, d) for d in sets.values()):
@@ -135,13 +145,14 @@ def evaluate(checkpoint: Path, teacher: Optional[Path] = None, adapters: Optiona
     for name, directory in sets.items():
         lora.apply_adapters(model, directory)
         forward = lambda x: served(x)  # noqa: E731
-        rows.append(_row(f"{prefix} + {name}", score(forward), teacher_nll))
+        rows.append(_row(f"{prefix} + {name}", score(forward, f"{prefix} + {name}"), teacher_nll))
         log(f"eval: + {name} ppl {rows[-1]['ppl']:.3f}")
         merge[name] = merge_survival(model, forward, windows[: options.batch_size], options.batch_size)
         lora.detach(model)
     consumer_of = dict(zip(spec.owners, spec.consumers))
+    batches = range(0, windows.shape[0], options.batch_size)
     features = [head_features(exact, windows[i:i + options.batch_size, :-1], consumer_of)
-                for i in range(0, windows.shape[0], options.batch_size)]
+                for i in track(batches, "eval: head recall", unit="batch", show=show_progress)]
     routes = {o: model.layers[c].mlp.route for o, c in consumer_of.items()}
     recall = {"warm_start": evaluate_heads(warm, features, routes)}
     if served.heads:

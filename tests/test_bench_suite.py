@@ -9,15 +9,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from mlx_edge0.bench.regime import Regime
 from click.testing import CliRunner
 from test_bench import SMALL
 
-from mlx_edge0.bench.charts import Bar, Point, hbar_chart, line_chart, nice_ticks, stacked_hbar_chart
+from mlx_edge0.bench.charts import CHART_W, Bar, Point, hbar_chart, line_chart, nice_ticks, stacked_hbar_chart, value_formatter
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.measure import RunSpec, arm_base, parse_arm
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
 from mlx_edge0.bench.tables import agreement_note, arm_label
-from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, summarize
+from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, runs_to_make, summarize
 from mlx_edge0.bench.suite import (
     SuiteOptions,
     heads_k,
@@ -47,7 +49,7 @@ def _svgs_parse(html: str) -> int:
     return len(svgs)
 
 
-def test_suite_runs_end_to_end_and_report_renders(tmp_path):
+def test_suite_runs_end_to_end_and_report_renders(tmp_path, capsys):
     options = tiny_suite(tmp_path, phases=("main", "sweep", "profile", "low-k"))
     lines: list[str] = []
     suite = run_suite(options, command=["edge0", "bench", "suite", "--test"], progress=lines.append)
@@ -56,6 +58,9 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
     failed = [r for rs in runs.values() for r in rs if not r["ok"]]
     assert not failed, failed[0].get("stderr_tail")
     assert [r["arm"] for r in runs["main"]] == ["stock", "edge0-exact", "edge0-prerouter@0.01"]
+    # One bar counts every phase's runs: the suite's ETA, not a phase's.
+    err, total = capsys.readouterr().err, sum(map(len, runs.values()))
+    assert "suite runs: 100%" in err and f"| {total}/{total} [" in err, err
     assert {r["arm"] for r in runs["sweep"]} == {"edge0-exact", "edge0-prerouter@0", "edge0-prerouter@0.01"}
 
     # K swapped by heads files: native K=4 first, K=2 for the low-K phases.
@@ -83,14 +88,19 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path):
         assert expected in summary, expected
     page = html.read_text()
     assert _svgs_parse(page) >= 8 and "<table>" in page and "<code>edge0 bench suite --test</code>" in page
+    # The machine and command are said once, at the top, not under every table.
+    assert page.count("Machine: ") == 1 and summary.count("Machine: ") == 1
+    assert page.count("<code>edge0 bench suite --test</code>") == 1
+    assert "hot cache budget (GiB)" in page and "cache_gib (GiB)" not in page
 
     # Rerunning a phase with the same options keeps its runs instead of re-measuring.
     kept: list[str] = []
     phase = suite["phases"]["main"]["results"]["options"]
     again = BenchOptions(**{**phase, "out": Path(phase["out"]), "stock": Path(phase["stock"]),
                             "edge0": Path(phase["edge0"]), "arms": tuple(phase["arms"]),
-                            "caches": tuple(phase["caches"])})  # fmt: skip
-    run_bench(again, ["again"], progress=kept.append)
+                            "caches": tuple(phase["caches"]), "regime": Regime(**phase["regime"])})  # fmt: skip
+    assert runs_to_make(again) == 0
+    run_bench(again, ["again"], progress=kept.append, show_progress=False)
     assert sum("kept from" in line for line in kept) == 3
     # Adding a cache state keeps the runs already made and measures only the new ones.
     kept.clear()
@@ -227,6 +237,18 @@ def test_charts_are_valid_svg_with_escaped_labels():
         assert root.tag.endswith("svg")
     assert "a&lt;b&gt;" in bars and "c&amp;d" in bars
     assert bars.count("<rect") == 2 + 2  # two bars + a two-entry legend
+    for svg in (bars, lines, stacked):  # drawn at the page's text width; the page scales them
+        assert ET.fromstring(svg).get("width") == str(CHART_W)
+
+
+def test_value_labels_of_a_chart_share_one_precision():
+    assert list(map(value_formatter([0.326, 0.32, 0.248]), (0.326, 0.32))) == ["0.326", "0.320"]
+    assert list(map(value_formatter([45.8, 3488.0]), (45.8, 3488.0))) == ["46", "3,488"]
+    assert value_formatter([20.4, 1.64])(1.64) == "1.6" and value_formatter([0.0])(0.0) == "0.000"
+    chart = stacked_hbar_chart([("a", [45.8, 3488.0]), ("b", [0.0, 3063.0])], ["wait", "other"], "t", "ms")
+    assert ">46 + 3,488<" in chart and ">0 + 3,063<" in chart
+    bars = hbar_chart([Bar("x", "s", 0.326), Bar("y", "s", 0.32)], "t", "tok/s")
+    assert ">0.326<" in bars and ">0.320<" in bars
 
 
 def test_inline_markdown_escapes_then_formats():

@@ -155,6 +155,34 @@ def test_phase_commands_drop_files_in_resume_and_evaluate(converted, tmp_path):
     assert "| int4 + heads + distill LoRA |" in result.output
 
 
+@pytest.mark.parametrize("command, flags, message", [
+    (heads_command, ["--warmup-steps", "-1"], "warmup_steps must be in [0, steps=300]"),
+    (heads_command, ["--learning-rate", "0"], "learning_rate must be > 0"),
+    (sft_command, ["--steps", "-1", "--teacher", "."], "steps must be >= 0"),
+    (distill_command, ["--checkpoint-every", "0", "--teacher", "."], "checkpoint_every and log_every must be >= 1"),
+    (main, ["--windows", "0"], "windows and batch_size must be >= 1"),
+])  # fmt: skip
+def test_bad_options_fail_before_any_slow_work(tmp_path, command, flags, message):
+    """An empty CHECKPOINT dir: a late check would fail on loading it, not on the option."""
+    args = ["eval", tmp_path] if command is main else [tmp_path, "--out", tmp_path / "run"]
+    result = CliRunner().invoke(command, [str(a) for a in args + flags])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_generated_rows_are_the_same_with_and_without_a_bar(converted, capsys):
+    from mlx_edge0.train.phases import GenerationOptions, generate_rows
+
+    path = converted("qwen3_moe").edge0
+    model, prompts = load_served(path), _rows(path, batch=3, length=PROMPT)
+    options = GenerationOptions(sequences=3, prompt_tokens=PROMPT, new_tokens=2, temperature=0.0, batch=2)
+    quiet = generate_rows(model, prompts, options, 0, "gen test", show_progress=False)
+    assert capsys.readouterr().err == ""
+    shown = generate_rows(model, prompts, options, 0, "gen test")
+    err = capsys.readouterr().err
+    assert (quiet == shown).all() and "gen test" in err and "3/3" in err
+
+
 def test_distill_needs_phase_2_adapters(converted, tmp_path):
     path = copy_with_heads(converted, tmp_path, "qwen3_moe")
     result = CliRunner().invoke(distill_command, [str(path), "--out", str(tmp_path / "run"), "--teacher",

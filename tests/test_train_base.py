@@ -353,3 +353,34 @@ def test_training_record_holds_no_path_of_the_build_machine(tmp_path):
     for shipped in (default_checkpoint(), default_teacher()):
         strings = list(_strings(json.loads((shipped / base.TRAINING_FILE).read_text())))
         assert strings and not [s for s in strings if s.startswith("/")], shipped
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--warmup-steps", "-1"], "warmup_steps must be in [0, steps=400]"),
+    (["--steps", "10", "--warmup-steps", "20"], "warmup_steps must be in [0, steps=10]"),
+    (["--learning-rate", "0"], "learning_rate must be > 0"),
+    (["--log-every", "0"], "checkpoint_every and log_every must be >= 1"),
+    (["--batch-size", "0"], "batch_size and seq_len must be >= 1"),
+])  # fmt: skip
+def test_train_base_checks_every_option_before_reading_the_corpus(monkeypatch, tmp_path, flags, message):
+    from click.testing import CliRunner
+
+    from mlx_edge0.cli import main
+
+    def no_corpus(*args, **kwargs):
+        raise AssertionError("the corpus was read before the options were checked")
+
+    monkeypatch.setattr(base, "split_corpus", no_corpus)
+    r = CliRunner().invoke(main, ["train", "base", str(tmp_path / "out"), *flags])
+    assert r.exit_code == 1 and message in r.output, r.output
+    assert "corpus" not in r.output and not (tmp_path / "out").exists()
+
+
+def test_tokenizing_with_a_label_draws_a_bar_and_gives_the_same_tokens(small_tokenizer, capsys):
+    _, tokenizer = small_tokenizer
+    texts = ["def f(x):\n    return x\n"] * (data.TOKENIZE_BATCH + 3)
+    quiet = data.tokenize_documents(tokenizer, texts)
+    assert capsys.readouterr().err == ""
+    shown = data.tokenize_documents(tokenizer, texts, label="tokenizing test")
+    err = capsys.readouterr().err
+    assert np.array_equal(quiet, shown) and "tokenizing test" in err and "100%" in err

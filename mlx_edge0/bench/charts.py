@@ -2,7 +2,9 @@
 
 Three shapes cover the report: grouped horizontal bars with min–max whiskers,
 stacked horizontal bars, and line charts with whiskers. Every function returns
-one self-contained ``<svg>`` string; labels are escaped here.
+one self-contained ``<svg>`` string; labels are escaped here. Charts are drawn
+``CHART_W`` wide, the report page's text width (the page scales them down on a
+narrower window), and the value labels of one chart share one precision.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Optional
 
 PALETTE = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979")
 FONT = 'font-family="system-ui, sans-serif" font-size="12"'
-BAR_W, ROW_H, PAD, GROUP_GAP, CHAR_W, LEGEND_ROW = 420, 18, 12, 6, 6.8, 16
+CHART_W, ROW_H, PAD, GROUP_GAP, CHAR_W, LEGEND_ROW = 1180, 18, 12, 6, 6.8, 16
+LINE_H = 300  # plot height of a line chart
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,14 @@ def nice_ticks(top: float, count: int = 5) -> list[float]:
 
 def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def value_formatter(values: list[float]):
+    """One format for every value label of a chart: three significant digits
+    of the largest value (0.326 and 0.320; 46 and 3,488), at most 3 decimals."""
+    top = max([abs(v) for v in values if math.isfinite(v)] or [0.0])
+    decimals = 3 if top == 0 else min(max(2 - math.floor(math.log10(top)), 0), 3)
+    return lambda v: f"{v:,.{decimals}f}"
 
 
 def _text_w(text: str) -> float:
@@ -86,9 +97,11 @@ def hbar_chart(bars: list[Bar], title: str, unit: str) -> str:
     series = list(dict.fromkeys(b.series for b in bars))
     top = max([b.high if b.high is not None else b.value for b in bars] or [1.0])
     ticks = nice_ticks(top)
-    scale = BAR_W / ticks[-1]
+    fmt = value_formatter([b.value for b in bars])
     x0 = _label_w([b.label for b in bars])
-    body, legend_h = _legend(series, x0, 32, BAR_W) if len(series) > 1 else ([], 0)
+    bar_w = CHART_W - x0 - _label_w([fmt(b.value) for b in bars])
+    scale = bar_w / ticks[-1]
+    body, legend_h = _legend(series, x0, 32, bar_w) if len(series) > 1 else ([], 0)
     y = 32 + legend_h - ROW_H
     for i, b in enumerate(bars):
         first = i == 0 or bars[i - 1].label != b.label  # a group's label is written once
@@ -103,10 +116,10 @@ def hbar_chart(bars: list[Bar], title: str, unit: str) -> str:
             body.append(f'<path d="M{lo:.1f} {mid:.1f}H{hi:.1f}M{lo:.1f} {mid - 4:.1f}V{mid + 4:.1f}'
                         f'M{hi:.1f} {mid - 4:.1f}V{mid + 4:.1f}" stroke="#222" fill="none"/>')
         end = x0 + max(b.high if b.high is not None else b.value, b.value) * scale
-        body.append(f'<text x="{end + 4:.1f}" y="{y + 12}" {FONT} fill="#333">{_fmt(b.value)}</text>')
+        body.append(f'<text x="{end + 4:.1f}" y="{y + 12}" {FONT} fill="#333">{fmt(b.value)}</text>')
     y_axis = y + ROW_H + 4
     body += _x_axis(ticks, scale, x0, y_axis, unit)
-    return _svg(max(x0 + BAR_W + 80, _text_w(title) * 1.15 + 2 * PAD), y_axis + 36, title, body)
+    return _svg(CHART_W, y_axis + 36, title, body)
 
 
 def _x_axis(ticks: list[float], scale: float, x0: float, y: float, unit: str) -> list[str]:
@@ -124,9 +137,12 @@ def stacked_hbar_chart(rows: list[tuple[str, list[float]]], parts: list[str], ti
     """Horizontal bars split into ``parts`` (e.g. I/O wait + everything else)."""
     top = max([sum(v) for _, v in rows] or [1.0])
     ticks = nice_ticks(top)
-    scale = BAR_W / ticks[-1]
+    fmt = value_formatter([v for _, values in rows for v in values])
+    totals = [" + ".join(map(fmt, values)) for _, values in rows]
     x0 = _label_w([label for label, _ in rows])
-    body, legend_h = _legend(parts, x0, 32, BAR_W)
+    bar_w = CHART_W - x0 - _label_w(totals)
+    scale = bar_w / ticks[-1]
+    body, legend_h = _legend(parts, x0, 32, bar_w)
     y0 = 32 + legend_h
     for i, (label, values) in enumerate(rows):
         y, x = y0 + i * ROW_H, x0
@@ -137,19 +153,19 @@ def stacked_hbar_chart(rows: list[tuple[str, list[float]]], parts: list[str], ti
                         f'fill="{PALETTE[j % len(PALETTE)]}"><title>{escape(parts[j])}: {_fmt(v)} '
                         f'{escape(unit)}</title></rect>')
             x += w
-        body.append(f'<text x="{x + 4:.1f}" y="{y + 12}" {FONT} fill="#333">'
-                    + " + ".join(_fmt(v) for v in values) + "</text>")
+        body.append(f'<text x="{x + 4:.1f}" y="{y + 12}" {FONT} fill="#333">{totals[i]}</text>')
     y_axis = y0 + len(rows) * ROW_H + 4
     body += _x_axis(ticks, scale, x0, y_axis, unit)
-    return _svg(max(x0 + BAR_W + 140, _text_w(title) * 1.15 + 2 * PAD), y_axis + 36, title, body)
+    return _svg(CHART_W, y_axis + 36, title, body)
 
 
 def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label: str) -> str:
     """One line per series over numeric x, with min–max whiskers where given."""
     points = [p for ps in series.values() for p in ps]
     if not points:
-        return _svg(300, 40, title, [])
-    w, h, left = 440, 220, 60
+        return _svg(CHART_W, 40, title, [])
+    left = 60
+    w, h = CHART_W - left - 30, LINE_H
     body, legend_h = _legend(list(series), left, 32, w)
     top_y = 32 + legend_h + 8
     x_ticks = nice_ticks(max(p.x for p in points) or 1.0)
@@ -187,4 +203,4 @@ def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label
                 _, hi = at(p.x, p.high)
                 body.append(f'<path d="M{x:.1f} {lo:.1f}V{hi:.1f}M{x - 3:.1f} {lo:.1f}H{x + 3:.1f}'
                             f'M{x - 3:.1f} {hi:.1f}H{x + 3:.1f}" stroke="{color}" fill="none"/>')
-    return _svg(max(left + w + 30, _text_w(title) * 1.15 + 2 * PAD), top_y + h + 44, title, body)
+    return _svg(CHART_W, top_y + h + 44, title, body)

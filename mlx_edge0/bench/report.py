@@ -2,7 +2,7 @@
 
 Both are rendered from the same sections (text, tables, charts), so they say
 the same thing; the HTML adds inline SVG charts (jinja2 template shipped as
-package data). Every table carries the machine, versions and command.
+package data). The machine, versions and commands are said once, at the top.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .tables import (
 # Acceptance targets on this project's reference machine: (peak MLX GiB, decode × stock).
 TARGETS = {"qwen3.5-35b-a3b": (2.5, 1.0), "ling-3.0-tiny": (1.0, 1.0)}
 PROFILE_ROWS = 10
+BUDGET_AXIS = "hot cache budget (GiB)"
 # Arms whose per-step exposed wait is charted (on-demand and prerouted).
 PREROUTED_ARMS = ("edge0-prerouter", "edge0-prerouter-window")
 STEP_WAIT_ARMS = ("edge0-exact", "edge0-hot") + PREROUTED_ARMS
@@ -48,23 +49,21 @@ class Section:
     charts: list[str] = field(default_factory=list)
 
 
-def provenance(suite: dict, full: bool = False, phase: str | tuple[str, ...] = ()) -> str:
-    """One line naming the machine, versions and command (``full``: OS and
-    Python too; ``phase``: the command(s) that ran those phases)."""
+def provenance(suite: dict) -> list[str]:
+    """The machine and versions, then each command with the phases it ran:
+    said once, at the top (every table is from that machine)."""
     m = suite["machine"]
     mem = f", {m['memory_bytes'] / GIB:.0f} GiB RAM" if "memory_bytes" in m else ""
     cpus = m.get("cpus_usable", m.get("cpu_count"))
-    system = f"; {m['platform']}, Python {m['python']}" if full else ""
-    names = (phase,) if isinstance(phase, str) else phase
-    commands = []
-    for name in names or (None,):
-        command = " ".join(suite["phases"].get(name, {}).get("command", suite["command"]))
-        if command not in commands:
-            commands.append(command)
-    return (f"Machine: {m.get('cpu', m['machine'])}, {cpus} CPUs{mem}, {m['device']}{system}; "
-            f"mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mlx-edge0 {m['mlx_edge0']}. "
-            + ("Command: " if len(commands) == 1 else "Commands: ")
-            + "; ".join(f"`{c}`" for c in commands))  # fmt: skip
+    ran: dict[str, list[str]] = {}
+    for name, phase in suite["phases"].items():
+        ran.setdefault(" ".join(phase.get("command", suite["command"])), []).append(name)
+    machine = (f"Machine: {m.get('cpu', m['machine'])}, {cpus} CPUs{mem}, {m['device']}; "
+               f"{m['platform']}, Python {m['python']}; "
+               f"mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mlx-edge0 {m['mlx_edge0']}.")  # fmt: skip
+    if len(ran) <= 1:
+        return [machine, f"Command: `{next(iter(ran), ' '.join(suite['command']))}`"]
+    return [machine, *(f"Command: `{c}` ran phase(s) {', '.join(names)}." for c, names in ran.items())]
 
 
 def _summary(suite: dict, phase: str) -> Optional[dict]:
@@ -132,7 +131,7 @@ def headline(suite: dict) -> Section:
             for label, e, stock in entries]  # fmt: skip
     headers = ["arm (cold page cache)", "peak MLX GiB", "decode tok/s", "× stock (medians)",
                "× stock (per round)", "exposed wait ms/step"]  # fmt: skip
-    section = Section("Headline", tables=[Table(headers, rows, provenance(suite, phase=("main", "low-k")))])
+    section = Section("Headline", tables=[Table(headers, rows)])
     if "low-k" in suite["phases"]:
         section.text.append(
             f"Rows with K={suite['phases']['low-k']['k']} route the prerouted layers with fewer experts "
@@ -192,12 +191,10 @@ def phase_section(suite: dict, name: str) -> Optional[Section]:
     if name in ("main", "low-k"):
         reference = _summary(suite, "main") if name == "low-k" else None
         speed = speed_table(summary, reference)
-        section.tables += [Table(speed.headers, speed.rows, provenance(suite, phase=name), speed.notes),
-                           Table(*_with_caption(memory_table(summary), suite, name))]
+        section.tables += [speed, memory_table(summary)]
         section.charts += [throughput_chart(summary, phase["title"]), memory_chart(summary)]
     else:
-        t = pressure_table(summary)
-        section.tables.append(Table(t.headers, t.rows, provenance(suite, phase=name), t.notes))
+        section.tables.append(pressure_table(summary))
         if name == "sweep":
             section.charts += sweep_charts(summary)
             section.text += sweep_optimum(summary)
@@ -225,10 +222,6 @@ def step_wait_chart(runs: list[dict], budget: float, title: str) -> Optional[str
         return None
     return line_chart(series, f"Exposed I/O wait per decode step, round 1 — {title}", "decode step",
                       "ms")
-
-
-def _with_caption(t: Table, suite: dict, phase: str) -> tuple:
-    return t.headers, t.rows, provenance(suite, phase=phase), t.notes
 
 
 def throughput_chart(summary: dict, title: str) -> str:
@@ -275,9 +268,9 @@ def _budget_points(summary: dict, key: str, scale: float = 1.0) -> dict[str, lis
 def sweep_charts(summary: dict) -> list[str]:
     return [
         line_chart(_budget_points(summary, "decode_tok_s"), "Decode throughput vs hot-cache budget",
-                   "cache_gib (GiB)", "tokens/s"),
+                   BUDGET_AXIS, "tokens/s"),
         line_chart(_budget_points(summary, "peak_memory", GIB), "Peak MLX memory vs hot-cache budget",
-                   "cache_gib (GiB)", "GiB"),
+                   BUDGET_AXIS, "GiB"),
     ]
 
 
@@ -308,12 +301,9 @@ def prerouter_section(suite: dict) -> Optional[Section]:
     pairs = [("main", "cold"), ("main", "warm"), ("sweep", "pressure"), ("low-k", "cold"),
              ("low-k", "warm"), ("low-k-pressure", "pressure")]  # fmt: skip
     budget = f"{suite['options']['cache_gib']:g}"
-    used = []
     for phase, cache in pairs:
         summary = _summary(suite, phase)
         for od, pr in _prerouted_pairs(summary, budget, cache):
-            if phase not in used:
-                used.append(phase)
             rows.append(_prerouter_row(suite["phases"][phase]["k"], cache, od, pr))
     if not rows:
         return None
@@ -326,7 +316,7 @@ def prerouter_section(suite: dict) -> Optional[Section]:
         "prerouter = the heads' prediction routes the consumer layers and their reads start ahead of "
         "them (when the step opens; with a staged window, two prerouted layers before). "
         "Warm-started (untrained) heads: the routing differs from stock by construction.",
-    ], tables=[Table(headers, rows, provenance(suite, phase=tuple(used)))])  # fmt: skip
+    ], tables=[Table(headers, rows)])  # fmt: skip
 
 
 def _prerouted_pairs(summary: Optional[dict], budget: str, cache: str) -> list[tuple[dict, dict]]:
@@ -377,8 +367,7 @@ def profile_section(suite: dict) -> Optional[Section]:
                  f"{p['total_ms_per_token']:.1f}"] for p in r["profile_top"][:PROFILE_ROWS]]  # fmt: skip
         section.tables.append(Table(
             ["function", "calls/token", "own ms/token", "cumulative ms/token"], rows,
-            f"{arm_label(r['arm'])}: {r['decode_s_per_token'] * 1e3:.0f} ms/token profiled. "
-            + provenance(suite, phase="profile")))  # fmt: skip
+            f"{arm_label(r['arm'])}: {r['decode_s_per_token'] * 1e3:.0f} ms/token profiled."))
     return section
 
 
@@ -414,7 +403,7 @@ def _intro(suite: dict) -> list[str]:
         f"Native K={suite['native_k']}. Compute dtype {o['dtype']} in every arm. Prompt {o['prompt_tokens']} "
         f"tokens; decode {o['decode_tokens']} greedy tokens after 2 warm-up steps.",
         f"Started {when}, took {took:.0f} min. {noise_note(suite)}",
-        provenance(suite, full=True),
+        *provenance(suite),
     ]
 
 

@@ -15,13 +15,15 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from tqdm import tqdm
+
 from ..options import GIB, available_memory
+from ..progress import bar, note
 from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, parse_arm
 from .regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
@@ -338,10 +340,6 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _stderr_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 # Options that only say which runs to make: an earlier file that differs in
 # them still measured its runs the same way.
 SELECTING = ("resume", "arms", "caches")
@@ -360,12 +358,30 @@ def _earlier_runs(options: BenchOptions) -> dict[tuple, dict]:
     return {(r["round"], r["cache"], r["arm"]): r for r in earlier.get("runs", []) if r["ok"]}
 
 
+def runs_to_make(options: BenchOptions) -> int:
+    """How many runs :func:`run_bench` will measure (the others it keeps from ``options.out``)."""
+    earlier = _earlier_runs(options)
+    return sum((rnd, cache, arm) not in earlier
+               for rnd in range(options.rounds) for cache in options.caches for arm in options.arms)
+
+
 def run_bench(
     options: BenchOptions,
     command: list[str],
-    progress: Callable[[str], None] = _stderr_progress,
+    progress: Callable[[str], None] = note,
+    *,
+    runs_bar: Optional[tqdm] = None,
+    show_progress: bool = True,
 ) -> dict:
-    """Run every (round, cache, arm) in a fresh child; arm order rotates per round."""
+    """Run every (round, cache, arm) in a fresh child; arm order rotates per round.
+
+    ``progress`` gets a line per run; ``runs_bar`` (else a bar of its own,
+    when ``show_progress``) advances once per run measured, kept runs aside,
+    so its ETA is the time the remaining runs take.
+    """
+    own_bar = runs_bar is None
+    if own_bar:
+        runs_bar = bar(runs_to_make(options), "bench runs", unit="run", show=show_progress)
     results = {
         "machine": machine_info(),
         "command": command,
@@ -404,11 +420,14 @@ def run_bench(
                 record.update(round=rnd, cache=cache, cache_note=note, position=position,
                               memory_wait_s=waited)  # fmt: skip
                 progress(f"[bench]   {one_line(record)}")
+                runs_bar.update()
                 results["runs"].append(record)
                 results["summary"] = summarize(results["runs"])
                 write_json(options.out, results)
     results["summary"] = summarize(results["runs"])
     write_json(options.out, results)
+    if own_bar:
+        runs_bar.close()
     return results
 
 

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import read_config, text_config
+from ..progress import bar, note
 from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, checkpoint_files, parse_arm
-from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench, write_json
+from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench, runs_to_make, write_json
 from .synth import SynthOptions, source_config, synth_checkpoint, synthetic_origin
 
 PHASES = ("main", "low-k", "sweep", "low-k-pressure", "profile")
@@ -189,10 +190,6 @@ def plan_phases(o: SuiteOptions, native_k: int) -> list[Phase]:
     return [plan[name] for name in order if name in o.phases and plan[name].arms]
 
 
-def _stderr_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def _synthetic_origin(path: Path) -> dict:
     return read_config(path).get("edge0_synthetic", {})
 
@@ -252,12 +249,29 @@ def ensure_heads(edge0: Path, k: int, progress: Callable[[str], None]) -> None:
         raise RuntimeError(f"{edge0}: edge0 heads init --k {k} failed:\n{proc.stderr[-2000:]}")
 
 
+def phase_bench(o: SuiteOptions, phase: Phase) -> BenchOptions:
+    """What :func:`run_bench` measures for one phase (its results file under ``o.out/runs``)."""
+    return BenchOptions(
+        out=Path(o.out) / "runs" / f"{phase.name}.json", stock=o.stock_dir, edge0=o.edge0_dir,
+        arms=phase.arms, caches=phase.caches, rounds=phase.rounds,
+        prompt_tokens=o.prompt_tokens, decode_tokens=o.decode_tokens, dtype=o.dtype, seed=o.seed,
+        timeout_s=o.timeout_s, k=phase.k, warm_prefill=phase.warm_prefill, profile=phase.profile,
+        memory_wait_s=o.memory_wait_s, resume=True,
+    )  # fmt: skip
+
+
 def run_suite(
     o: SuiteOptions,
     command: list[str],
-    progress: Callable[[str], None] = _stderr_progress,
+    progress: Callable[[str], None] = note,
+    *,
+    show_progress: bool = True,
 ) -> dict:
-    """Prepare checkpoints and heads, run every phase, write ``suite.json``."""
+    """Prepare checkpoints and heads, run every phase, write ``suite.json``.
+
+    ``progress`` gets a line per step and run; with ``show_progress`` one bar
+    counts the runs of every phase still to measure, so its ETA is the suite's.
+    """
     out = Path(o.out)
     started = time.time()
     checkpoints = prepare_checkpoints(o, progress)
@@ -271,21 +285,17 @@ def run_suite(
         "checkpoints": checkpoints, "started": started,
         "phases": earlier_phases(out, o, checkpoints, {p.name for p in phases}, progress),
     }  # fmt: skip
-    for i, phase in enumerate(phases):
+    benches = [phase_bench(o, phase) for phase in phases]
+    runs = bar(sum(map(runs_to_make, benches)), "suite runs", unit="run", show=show_progress)
+    for i, (phase, bench) in enumerate(zip(phases, benches)):
         k = phase.k or k_native
         ensure_heads(o.edge0_dir, k, progress)
         progress(f"[suite] phase {i + 1}/{len(phases)} {phase.name}: {phase.title}")
-        bench = BenchOptions(
-            out=out / "runs" / f"{phase.name}.json", stock=o.stock_dir, edge0=o.edge0_dir,
-            arms=phase.arms, caches=phase.caches, rounds=phase.rounds,
-            prompt_tokens=o.prompt_tokens, decode_tokens=o.decode_tokens, dtype=o.dtype, seed=o.seed,
-            timeout_s=o.timeout_s, k=phase.k, warm_prefill=phase.warm_prefill, profile=phase.profile,
-            memory_wait_s=o.memory_wait_s, resume=True,
-        )  # fmt: skip
-        results = run_bench(bench, command, progress)
+        results = run_bench(bench, command, progress, runs_bar=runs)
         suite["phases"][phase.name] = {**asdict(phase), "k": k, "command": command, "results": results}
         suite["finished"] = time.time()
         write_json(out / "suite.json", suite)
+    runs.close()
     write_json(out / "suite.json", suite)
     return suite
 

@@ -27,7 +27,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 import zlib
@@ -47,6 +46,7 @@ from mlx_lm.utils import (
 
 from ..checkpoint import text_config
 from ..model_patches import resolve_model_type
+from ..progress import note
 from ..tensorfile import TensorWriter, dtype_code
 
 GEOMETRIES_FILE = Path(__file__).with_name("geometries.json")
@@ -288,10 +288,6 @@ def plan_shards(names: list[str]) -> list[Shard]:
     ]
 
 
-def _stderr_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def _write_shards(
     out: Path,
     model: nn.Module,
@@ -326,7 +322,7 @@ def _write_shards(
 def synth_checkpoint(
     out: Path | str,
     options: SynthOptions,
-    progress: Callable[[str], None] = _stderr_progress,
+    progress: Callable[[str], None] = note,
 ) -> SynthReport:
     """Write a random-weight int4 checkpoint of ``options.geometry`` to ``out``.
 

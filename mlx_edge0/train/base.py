@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..progress import track
 from ..tiny import BOS_ID, EOS_ID, model_module, save_mlx, tiny_config, train_tokenizer
 from .data import (
     HELD_OUT_FRACTION,
@@ -82,6 +83,18 @@ class BaseOptions:
             raise ValueError(f"balance_coef must be >= 0, got {self.balance_coef}")
         if self.eval_windows < 1:
             raise ValueError(f"eval_windows must be >= 1, got {self.eval_windows}")
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size} and {self.seq_len}")
+        if not 0 < self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
+        self.loop()  # the loop's own checks (steps, learning_rate, warmup_steps, ...) before any slow work
+
+    def loop(self) -> LoopOptions:
+        return LoopOptions(
+            out_dir=Path(self.out_dir) / RUN_DIR, steps=self.steps, learning_rate=self.learning_rate,
+            seed=self.seed, checkpoint_every=self.checkpoint_every,
+            log_every=self.log_every, warmup_steps=self.warmup_steps,
+        )  # fmt: skip
 
 
 class RouterTap:
@@ -146,10 +159,12 @@ def lm_loss(model: nn.Module, batch: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits.astype(mx.float32), batch[:, 1:]).mean()
 
 
-def held_out_perplexity(model: nn.Module, windows: np.ndarray, batch_size: int = 8) -> dict:
-    """Perplexity over ``[n, L + 1]`` token windows (each scored from its own start)."""
+def held_out_perplexity(model: nn.Module, windows: np.ndarray, batch_size: int = 8, *,
+                        label: Optional[str] = None) -> dict:
+    """Perplexity over ``[n, L + 1]`` token windows (each scored from its own start);
+    with a ``label``, a progress bar counts the windows."""
     total, count = 0.0, 0
-    for i in range(0, len(windows), batch_size):
+    for i in track(range(0, len(windows), batch_size), label or "", unit="batch", show=label is not None):
         batch = mx.array(windows[i : i + batch_size])
         logits = model(batch[:, :-1])
         losses = nn.losses.cross_entropy(logits.astype(mx.float32), batch[:, 1:], reduction="sum")
@@ -172,21 +187,29 @@ class BaseReport:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
 
 
-def _tokenizer(tokenizer_dir: Path, split, vocab_size: int):
+def _tokenizer(tokenizer_dir: Path, texts: list[str], vocab_size: int, log: Callable[[str], None]):
     from tokenizers import Tokenizer
 
     if not (tokenizer_dir / "tokenizer.json").exists():
-        train_tokenizer(tokenizer_dir, vocab_size, texts=split.texts("train"))
+        log(f"training a {vocab_size}-token tokenizer on {len(texts)} files ...")
+        train_tokenizer(tokenizer_dir, vocab_size, texts=texts)
     return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
-def train_base(options: BaseOptions, log: Callable[[str], None] = print) -> BaseReport:
-    """Train the base model and write ``out_dir/teacher``; resumes from ``out_dir/run``."""
+def train_base(options: BaseOptions, log: Callable[[str], None] = print, *,
+               show_progress: bool = True) -> BaseReport:
+    """Train the base model and write ``out_dir/teacher``; resumes from ``out_dir/run``.
+
+    ``log`` gets a line per stage; ``show_progress`` draws bars on stderr for
+    tokenizing, training and the final held-out scoring.
+    """
     out = Path(options.out_dir)
     split = split_corpus(fraction=options.held_out_fraction)
-    tokenizer = _tokenizer(out / TOKENIZER_DIR, split, options.vocab_size)
-    train_tokens = tokenize_documents(tokenizer, split.texts("train"))
-    held_tokens = tokenize_documents(tokenizer, split.texts("held_out"))
+    log(f"reading the corpus under {split.root} ...")
+    train_texts, held_texts = split.texts("train"), split.texts("held_out")
+    tokenizer = _tokenizer(out / TOKENIZER_DIR, train_texts, options.vocab_size, log)
+    train_tokens = tokenize_documents(tokenizer, train_texts, label="tokenizing train files" if show_progress else None)
+    held_tokens = tokenize_documents(tokenizer, held_texts, label="tokenizing held-out files" if show_progress else None)
     log(f"corpus: {len(split.train)} train files ({len(train_tokens)} tokens), "
         f"{len(split.held_out)} held-out files ({len(held_tokens)} tokens) under {split.root}")
 
@@ -215,19 +238,16 @@ def train_base(options: BaseOptions, log: Callable[[str], None] = print) -> Base
         return result
 
     batches = TokenBatches(train_tokens, options.seq_len, options.batch_size, options.seed)
-    loop = LoopOptions(
-        out_dir=out / RUN_DIR, steps=options.steps, learning_rate=options.learning_rate,
-        seed=options.seed, checkpoint_every=options.checkpoint_every,
-        log_every=options.log_every, warmup_steps=options.warmup_steps,
-    )  # fmt: skip
-    history = run_loop(model, loss_fn, batches, loop, "train base", eval_fn=eval_fn)
+    history = run_loop(model, loss_fn, batches, options.loop(), "train base", eval_fn=eval_fn,
+                       show_progress=show_progress)
     untap_routers(model)
     model.eval()
 
     teacher = out / TEACHER_DIR
     save_mlx(model, config, teacher, out / TOKENIZER_DIR, dtype=mx.bfloat16)
-    log(f"wrote {teacher}; scoring all held-out text ...")
-    held_out = held_out_perplexity(load_teacher(teacher), eval_windows(held_tokens, options.seq_len))
+    log(f"wrote {teacher}")
+    held_out = held_out_perplexity(load_teacher(teacher), eval_windows(held_tokens, options.seq_len),
+                                   label="scoring held-out text" if show_progress else None)
     losses = [e for e in history if "loss" in e]
     report = BaseReport(
         teacher=teacher, train_tokens=len(train_tokens), held_out_tokens=len(held_tokens),

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..progress import bar
+
 # Directories that hold tests, third-party code, generated tables or data, not library code.
 EXCLUDED_DIRS = frozenset({
     "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
@@ -28,6 +30,7 @@ EXCLUDED_DIRS = frozenset({
 })  # fmt: skip
 HELD_OUT_FRACTION = 0.05
 DOCUMENT_SEPARATOR = "<|endoftext|>"
+TOKENIZE_BATCH = 32  # texts per encode_batch call: parallel inside, a bar step between
 
 
 def stdlib_root() -> Path:
@@ -103,15 +106,22 @@ def fingerprint(root: Path, files: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def tokenize_documents(tokenizer, texts: Sequence[str]) -> np.ndarray:
+def tokenize_documents(tokenizer, texts: Sequence[str], *, label: Optional[str] = None) -> np.ndarray:
     """One int32 token stream: every text followed by the document separator.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` (fast, batched encoding).
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` (fast, batched encoding). With
+    a ``label``, a progress bar counts the characters encoded (the whole
+    stdlib takes seconds), so texts go in batches of ``TOKENIZE_BATCH``.
     """
     sep = tokenizer.token_to_id(DOCUMENT_SEPARATOR)
     if sep is None:
         raise ValueError(f"the tokenizer has no {DOCUMENT_SEPARATOR} token")
-    encoded = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    texts, encoded = list(texts), []
+    with bar(sum(map(len, texts)), label or "", unit="char", unit_scale=True, show=label is not None) as chars:
+        for i in range(0, len(texts), TOKENIZE_BATCH):
+            batch = texts[i : i + TOKENIZE_BATCH]
+            encoded += tokenizer.encode_batch(batch, add_special_tokens=False)
+            chars.update(sum(map(len, batch)))
     parts = [np.asarray(e.ids + [sep], dtype=np.int32) for e in encoded]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 

@@ -66,7 +66,7 @@ def distill_loss(student: StudentPath, batch: dict, prompt_tokens: int, topk_wei
 
 def train_distill(options: PhaseOptions, teacher: Path,
                   generation: GenerationOptions = GenerationOptions(sequences=26),
-                  topk_weight: float = 1.0, tail_weight: float = 1.0) -> dict:
+                  topk_weight: float = 1.0, tail_weight: float = 1.0, *, show_progress: bool = True) -> dict:
     """Phase 3 on ``options.checkpoint``, starting from its (Phase-2) adapters,
     copied to ``out_dir/start`` on the first run so a resume starts from
     the same ones; writes the new adapters into the checkpoint. Returns the report."""
@@ -87,7 +87,8 @@ def train_distill(options: PhaseOptions, teacher: Path,
     def make_rollouts():
         prompts = prompt_windows(corpus_tokens(checkpoint, "train", options.max_files),
                                  generation.sequences, generation.prompt_tokens, options.seed + 1)
-        return generate_rows(model, prompts, generation, options.seed + 1, "phase 3 student rollouts")
+        return generate_rows(model, prompts, generation, options.seed + 1, "phase 3 student rollouts",
+                             show_progress=show_progress)
 
     rows = token_rows(out_dir / DATA_FILE, make_rollouts, label="phase 3 student rollouts")
     teacher_model = load_teacher(teacher)
@@ -107,7 +108,7 @@ def train_distill(options: PhaseOptions, teacher: Path,
         return distill_loss(student, batch, P, topk_weight, tail_weight)
 
     log = run_loop(model, loss_fn, batch_at, options.loop(), "phase 3 distill",
-                   lambda m: held_out_eval(student, held, options.batch_size))
+                   lambda m: held_out_eval(student, held, options.batch_size), show_progress=show_progress)
     report = {"phase": "distill", "teacher": str(teacher), "generation": vars(generation),
               "topk": TOP_K, "topk_weight": topk_weight, "tail_weight": tail_weight,
               "prerouter": bool(student.heads), "data_rows": int(rows.shape[0]), "before": before,

@@ -107,7 +107,7 @@ def evaluate_heads(heads: dict[int, PrerouterHead], features: list[dict[int, Hea
     }
 
 
-def train_heads(options: PhaseOptions, mse_weight: float = MSE_WEIGHT) -> dict:
+def train_heads(options: PhaseOptions, mse_weight: float = MSE_WEIGHT, *, show_progress: bool = True) -> dict:
     """Phase 1 on ``options.checkpoint``; writes prerouter.safetensors into it.
 
     The heads are made for the K the checkpoint's consumer layers route with
@@ -146,7 +146,8 @@ def train_heads(options: PhaseOptions, mse_weight: float = MSE_WEIGHT) -> dict:
     def eval_fn(module: HeadSet) -> dict:
         return evaluate_heads(module.as_dict(), held_features, routes)
 
-    log = run_loop(head_set, loss_fn, batch_at, options.loop(), "phase 1 heads", eval_fn)
+    log = run_loop(head_set, loss_fn, batch_at, options.loop(), "phase 1 heads", eval_fn,
+                   show_progress=show_progress)
     trained, baseline = eval_fn(head_set), evaluate_heads(warm, held_features, routes)
     path = save_heads(checkpoint, head_set.as_dict(), spec)
     shutil.copy(path, Path(options.out_dir) / PREROUTER_FILE)

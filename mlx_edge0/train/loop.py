@@ -13,10 +13,8 @@ was never interrupted.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -27,6 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
+
+from ..progress import bar
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "log.json"
@@ -95,6 +95,8 @@ def run_loop(
     options: LoopOptions,
     description: str,
     eval_fn: Optional[Callable[[nn.Module], dict]] = None,
+    *,
+    show_progress: bool = True,
 ) -> list[dict]:
     """Train ``model``'s trainable parameters for ``options.steps`` steps.
 
@@ -103,8 +105,9 @@ def run_loop(
         loss_fn: ``loss_fn(model, batch)`` -> scalar loss.
         batch_at: ``batch_at(step)`` -> the batch of that step, deterministic.
         options: see :class:`LoopOptions`.
-        description: shown on the progress line and stored in the log.
+        description: labels the progress bar and is stored in the log.
         eval_fn: called at every checkpoint and at the end; its dict is logged.
+        show_progress: draw a bar on stderr (steps, loss, tokens/s, ETA).
 
     Returns:
         The log: ``{"step", "loss", "learning_rate", "grad_norm", "tokens_per_s",
@@ -139,7 +142,7 @@ def run_loop(
         state = [model.state, optimizer.state, mx.random.state]
         step_fn = partial(mx.compile, inputs=state, outputs=state)(step_fn)
 
-    progress = Progress(description, options.steps, start)
+    steps = bar(options.steps, description, unit="step", initial=start, show=show_progress)
     window_tokens, window_start = 0, time.perf_counter()
     for step in range(start, options.steps):
         mx.random.seed(step_seed(options.seed, step))
@@ -149,6 +152,7 @@ def run_loop(
         pending.append(loss.item())
         window_tokens += batch_tokens(batch)
         done = step + 1
+        steps.update()
         if done % options.log_every == 0 or done == options.steps:
             now = time.perf_counter()
             elapsed += now - window_start
@@ -159,7 +163,8 @@ def run_loop(
                 "elapsed_s": elapsed,
             }  # fmt: skip
             log.append(entry)
-            progress.update(done, entry)
+            steps.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{entry['learning_rate']:.2e}",
+                              tok_s=f"{entry['tokens_per_s']:.0f}", refresh=False)
             pending, window_tokens, window_start = [], 0, time.perf_counter()
         if done % options.checkpoint_every == 0 or done == options.steps:
             if eval_fn is not None:
@@ -169,38 +174,10 @@ def run_loop(
                              log + pending_entries, elapsed)
             _write_json_atomic(out_dir / LOG_FILE, {"description": description, "log": log})
             window_start = time.perf_counter()
-    progress.close()
+    steps.close()
     if not (out_dir / LOG_FILE).exists():
         _write_json_atomic(out_dir / LOG_FILE, {"description": description, "log": log})
     return log
-
-
-class Progress:
-    """One status line on stderr: redrawn in place on a terminal, a line per log step otherwise."""
-
-    def __init__(self, description: str, steps: int, start: int):
-        self.description, self.steps, self.start = description, steps, start
-        self.began = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def update(self, step: int, entry: dict) -> None:
-        rate = (step - self.start) / max(time.perf_counter() - self.began, 1e-9)
-        eta = (self.steps - step) / rate if rate > 0 else math.inf
-        line = (f"{self.description}: step {step}/{self.steps} loss {entry['loss']:.4f} "
-                f"lr {entry['learning_rate']:.2e} {entry['tokens_per_s']:.0f} tok/s ETA {_clock(eta)}")
-        sys.stderr.write(f"\r{line}\033[K" if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-
-def _clock(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 
 def checkpoint_dirs(out_dir: Path) -> list[Path]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -21,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..progress import bar, note, track
 from .data import split_corpus, tokenize_documents
 from .loop import LoopOptions
 
@@ -48,6 +48,7 @@ class PhaseOptions:
     def __post_init__(self):
         if self.batch_size < 1 or self.seq_len < 2 or self.max_files < 0 or self.eval_windows < 1:
             raise ValueError("batch_size >= 1, seq_len >= 2, max_files >= 0 and eval_windows >= 1 are required")
+        self.loop()  # the loop's own checks (steps, learning_rate, ...) before any slow work
 
     def loop(self) -> LoopOptions:
         return LoopOptions(
@@ -141,15 +142,15 @@ class GenerationOptions:
 
 
 def generate_rows(model: nn.Module, prompts: mx.array, options: GenerationOptions, seed: int,
-                  label: str) -> np.ndarray:
-    """Continue every prompt (``options.batch`` at a time, with a progress line)."""
+                  label: str, *, show_progress: bool = True) -> np.ndarray:
+    """Continue every prompt (``options.batch`` at a time, a bar counting sequences)."""
     rows = []
-    for i in range(0, prompts.shape[0], options.batch):
-        chunk = generate_batch(model, prompts[i:i + options.batch], options.new_tokens,
-                               options.temperature, seed * 1_000_003 + i)
-        rows.append(np.array(chunk))
-        print(f"{label}: generated {min(i + options.batch, prompts.shape[0])}/{prompts.shape[0]}",
-              file=sys.stderr, flush=True)
+    with bar(prompts.shape[0], label, unit="seq", show=show_progress) as done:
+        for i in range(0, prompts.shape[0], options.batch):
+            chunk = generate_batch(model, prompts[i:i + options.batch], options.new_tokens,
+                                   options.temperature, seed * 1_000_003 + i)
+            rows.append(np.array(chunk))
+            done.update(chunk.shape[0])
     return np.concatenate(rows)
 
 
@@ -163,7 +164,7 @@ def token_rows(path: Path, make, *, label: str) -> np.ndarray:
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npy")
     np.save(tmp, rows)
     os.replace(tmp, path)
-    print(f"{label}: {rows.shape[0]} rows of {rows.shape[1]} tokens -> {path}", file=sys.stderr)
+    note(f"{label}: {rows.shape[0]} rows of {rows.shape[1]} tokens -> {path}")
     return rows
 
 
@@ -185,10 +186,11 @@ def held_out_windows(checkpoint: Path, options: PhaseOptions) -> mx.array:
     return mx.array(eval_windows(tokens, options.seq_len, options.eval_windows))
 
 
-def mean_nll(forward, windows: mx.array, batch_size: int) -> float:
-    """Mean next-token NLL of ``forward(inputs) -> logits`` over ``windows`` [n, T+1]."""
+def mean_nll(forward, windows: mx.array, batch_size: int, *, label: Optional[str] = None) -> float:
+    """Mean next-token NLL of ``forward(inputs) -> logits`` over ``windows`` [n, T+1];
+    with a ``label``, a progress bar counts the batches."""
     total, count = 0.0, 0
-    for i in range(0, windows.shape[0], batch_size):
+    for i in track(range(0, windows.shape[0], batch_size), label or "", unit="batch", show=label is not None):
         w = windows[i:i + batch_size]
         logits = forward(w[:, :-1]).astype(mx.float32)
         nll = nn.losses.cross_entropy(logits, w[:, 1:], reduction="sum")
