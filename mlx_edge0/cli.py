@@ -13,9 +13,10 @@ from typing import Optional
 import click
 
 from .bench.commands import bench
+from .flags import model_option, option_flags
+from .flags import options_from_flags as _options
 from .serve import serve_command
 from .train.commands import train
-from .options import COMPUTE_DTYPES, HOT_POLICIES, PAGE_CACHE_POLICIES, PREFILL_PATHS, Options
 
 
 def _fail(message: str) -> None:
@@ -51,58 +52,8 @@ def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> Non
     )
 
 
-def _cache_gib(ctx, param, value: str):
-    if value == "auto":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: use 'auto' or a number of GiB") from None
-
-
-def option_flags(f):
-    """The :class:`Options` fields as flags (shared by commands that load a model)."""
-    flags = [
-        click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default="auto", show_default=True,
-                     help="float32 on CPU by default; the checkpoint's dtype on Metal."),
-        click.option("--io-threads", default=Options.io_threads, show_default=True),
-        click.option("--cache-gib", default="auto", show_default=True, callback=_cache_gib,
-                     help="Hot expert cache budget in GiB ('auto': from available memory; 0: off)."),
-        click.option("--hot-policy", type=click.Choice(HOT_POLICIES), default=Options.hot_policy,
-                     show_default=True),
-        click.option("--staged/--no-staged", default=Options.staged, show_default=True,
-                     help="Decode through per-layer staged slots."),
-        click.option("--staged-slots", default=Options.staged_slots, show_default=True,
-                     help="Slots per staged buffer (0 = K)."),
-        click.option("--staged-window", default=Options.staged_window, show_default=True,
-                     help="Staged buffers the prerouted layers take in turn (0 = one per layer; "
-                          "N >= 3: N x K rows, reads about N-2 layers ahead)."),
-        click.option("--prefill", type=click.Choice(PREFILL_PATHS), default=Options.prefill,
-                     show_default=True, help="Prompt-chunk path."),
-        click.option("--prerouter/--no-prerouter", default=Options.prerouter, show_default=True,
-                     help="Route with the prerouter heads' predictions (when the checkpoint has heads)."),
-        click.option("--k", "k", default=Options.k, show_default=True,
-                     help="Experts per token on prerouted layers (0 = the checkpoint's K)."),
-        click.option("--page-cache", type=click.Choice(PAGE_CACHE_POLICIES), default=Options.page_cache,
-                     show_default=True, help="What expert reads leave in the OS page cache."),
-        click.option("--lora/--no-lora", default=Options.lora, show_default=True,
-                     help="Apply the checkpoint's recovery LoRA adapters (when it has them), unmerged."),
-    ]
-    for flag in reversed(flags):
-        f = flag(f)
-    return f
-
-
-def _options(**fields) -> Options:
-    try:
-        return Options(**fields)
-    except ValueError as e:
-        _fail(str(e))
-
-
 @main.command()
-@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
-              help="Edge0 checkpoint dir (default: the embedded default model).")
+@model_option
 @click.option("--prompt", "-p", default="def fibonacci(n):", show_default=True)
 @click.option("--max-tokens", "-m", default=64, show_default=True)
 @click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (0 = greedy).")
@@ -279,4 +230,4 @@ def eval_command(checkpoint: Path, teacher: Optional[Path], sft: Optional[Path],
     click.echo(format_table(result))
 
 
-main.add_command(serve_command())
+main.add_command(serve_command)
