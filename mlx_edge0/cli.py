@@ -23,6 +23,12 @@ def _fail(message: str) -> None:
     raise click.ClickException(message)
 
 
+def _progress_bar(items: list, label: str):
+    """``edge0 convert``'s progress: click's bar over the layers (or tensors) written."""
+    return click.progressbar(items, label=f"edge0 convert: {label}",
+                             item_show_func=lambda it: f"layer {it[0]}" if it else "")
+
+
 @click.group()
 @click.version_option(package_name="mlx-edge0")
 def main() -> None:
@@ -42,7 +48,8 @@ def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> Non
     from .conversions import ConversionError, ConvertOptions, convert as run_convert
 
     try:
-        report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force))
+        report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force,
+                                                      progress_bar=_progress_bar))
     except (ConversionError, ValueError, OSError) as e:
         _fail(str(e))
     click.echo(
