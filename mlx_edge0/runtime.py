@@ -59,9 +59,8 @@ class StreamingRuntime:
                 f"heads; make them with `edge0 heads init --k {options.k}`"
             )
         # K per MoE layer: the layers the heads predict route with the heads'
-        # K (so swapping the heads file swaps K); an explicit k must match it.
-        heads_k = int(section.prerouter.get("k", k)) if section.prerouter else k
-        spec, heads = load_heads(checkpoint_dir, section, options.k or heads_k) if section.prerouter else (None, {})
+        # K (section.consumer_k); an explicit k must match it.
+        spec, heads = load_heads(checkpoint_dir, section, options.k or section.consumer_k) if section.prerouter else (None, {})
         self.k_of = {l: k for l in layers}
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
