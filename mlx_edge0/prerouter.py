@@ -24,7 +24,6 @@ validates all of it and names the file on any mismatch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -38,7 +37,7 @@ from mlx.utils import tree_flatten
 
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
 from .integrity import GENERATION_KEY, check_generation
-from .tensorfile import TensorFileError, TensorWriter, dtype_code, read_header
+from .tensorfile import TensorFileError, TensorWriter, dtype_code, read_header, tensors_sha256
 
 PREROUTER_FILE = "prerouter.safetensors"
 PREROUTER_FORMAT = "edge0-prerouter"
@@ -109,19 +108,12 @@ class PrerouterSpec:
         return cls(tuple(moe_layers[:-1]), tuple(moe_layers[1:]), k)
 
 
-def source_hash(checkpoint: Path) -> str:
-    """SHA-256 over the router tensors of ``model.safetensors`` (name + bytes):
-    heads are tied to exactly these routers."""
-    header = read_header(checkpoint / RESIDENT_FILE)
-    digest = hashlib.sha256()
-    names = sorted(n for n in header.entries if _is_router(n))
-    with open(checkpoint / RESIDENT_FILE, "rb") as f:
-        for name in names:
-            e = header.entries[name]
-            f.seek(e.start)
-            digest.update(name.encode())
-            digest.update(f.read(e.nbytes))
-    return digest.hexdigest()
+def routers_hash(checkpoint: Path) -> str:
+    """SHA-256 over the router tensors of ``model.safetensors`` (sorted by
+    name; name + bytes): heads are tied to exactly these routers. Stored as
+    the heads file's ``source_hash``."""
+    path = Path(checkpoint) / RESIDENT_FILE
+    return tensors_sha256(path, sorted(n for n in read_header(path).entries if _is_router(n)))
 
 
 def _is_router(name: str) -> bool:
@@ -163,7 +155,7 @@ def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: Preroute
         "consumers": json.dumps(list(spec.consumers)),
         "k": str(spec.k),
         "hidden": str(spec.hidden),
-        "source_hash": source_hash(checkpoint),
+        "source_hash": routers_hash(checkpoint),
         **({GENERATION_KEY: generation} if generation else {}),
     }
     path = checkpoint / spec.file
@@ -233,7 +225,7 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
     if spec.k != want_k:
         raise fail(f"heads were made for K={spec.k}, but K={want_k} was asked for "
                    f"(make matching heads with `edge0 heads init --k {want_k}`)")
-    if meta.get("source_hash") != source_hash(checkpoint):
+    if meta.get("source_hash") != routers_hash(checkpoint):
         raise fail("heads were made for another model (router weights differ: source_hash mismatch)")
     g = section.experts
     heads = {}
