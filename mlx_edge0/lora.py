@@ -25,7 +25,6 @@ checkpoint's own files and names the file on any mismatch.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
+from .atomic import atomic_path
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
 from .integrity import GENERATION_KEY, check_generation
 from .tensorfile import TensorFileError, TensorHeader, read_header, tensors_sha256
@@ -185,18 +185,12 @@ def save_adapters(out_dir: Path, model: nn.Module, checkpoint: Path, k: int) -> 
     for path in targets:
         tensors[f"{path}.lora_a"] = modules[path].lora_a
         tensors[f"{path}.lora_b"] = modules[path].lora_b
-    tmp = out_dir / f".adapters.tmp-{os.getpid()}.safetensors"
-    tmp_config = out_dir / f".{ADAPTER_CONFIG_FILE}.tmp-{os.getpid()}"
-    try:
-        generation = read_config(checkpoint).get("edge0", {}).get(GENERATION_KEY)
-        metadata = {"format": ADAPTER_FORMAT, **({GENERATION_KEY: generation} if generation else {})}
+    generation = read_config(checkpoint).get("edge0", {}).get(GENERATION_KEY)
+    metadata = {"format": ADAPTER_FORMAT, **({GENERATION_KEY: generation} if generation else {})}
+    # both written before either replaces its file (the tensors first)
+    with atomic_path(out_dir / ADAPTER_CONFIG_FILE) as tmp_config, atomic_path(out_dir / ADAPTERS_FILE) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata=metadata)
         tmp_config.write_text(json.dumps(config.to_dict(len(model.layers)), indent=2) + "\n")
-        os.replace(tmp, out_dir / ADAPTERS_FILE)
-        os.replace(tmp_config, out_dir / ADAPTER_CONFIG_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
-        tmp_config.unlink(missing_ok=True)
     return out_dir / ADAPTERS_FILE
 
 

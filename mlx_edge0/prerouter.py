@@ -25,7 +25,6 @@ validates all of it and names the file on any mismatch.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .atomic import atomic_path, write_json_atomic
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
 from .integrity import GENERATION_KEY, check_generation
 from .tensorfile import TensorFileError, TensorWriter, dtype_code, read_header, tensors_sha256
@@ -159,21 +159,14 @@ def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: Preroute
         **({GENERATION_KEY: generation} if generation else {}),
     }
     path = checkpoint / spec.file
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     entries = [(n, dtype_code(v.dtype), tuple(v.shape)) for n, v in tensors.items()]
-    try:
-        with TensorWriter(tmp, entries, metadata) as writer:
-            for name, value in tensors.items():
-                writer.write(name, value)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, TensorWriter(tmp, entries, metadata) as writer:
+        for name, value in tensors.items():
+            writer.write(name, value)
     config["edge0"]["prerouter"] = spec.to_dict()
     if isinstance(config["edge0"].get("sha256"), dict):
         config["edge0"]["sha256"][spec.file] = writer.sha256
-    tmp_config = checkpoint / f".{CONFIG_FILE}.tmp-{os.getpid()}"
-    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_config, checkpoint / CONFIG_FILE)
+    write_json_atomic(checkpoint / CONFIG_FILE, config, indent=2, sort_keys=True)
     return path
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..atomic import write_json_atomic
 from ..options import GIB, available_memory
 from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, parse_arm
 
@@ -304,9 +305,7 @@ def write_json(path: Path, data: dict) -> None:
     """Write atomically (a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent=2)
 
 
 def _stderr_progress(line: str) -> None:
