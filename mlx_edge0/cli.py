@@ -99,6 +99,7 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, temp: flo
         _fail(str(e))
     except OSError as e:  # e.g. a tokenizer file that cannot be read
         _fail(f"{e.filename or model_path}: cannot be read ({e.strerror or e})")
+    model.limit_buffer_cache()  # this process runs this model alone
     if seed is not None:
         mx.random.seed(seed)
     if chat and tokenizer.chat_template is not None:
