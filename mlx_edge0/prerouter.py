@@ -66,8 +66,8 @@ class PrerouterHead(nn.Module):
         """Keep each weight as an ``[in, out]`` buffer viewed as ``[out, in]``.
 
         ``nn.Linear`` multiplies by ``weight.T``, which is then contiguous:
-        MLX's CPU matrix-vector product is about twice as fast on it (a head
-        at decode: 2.8 -> 1.6 ms on qwen3.5-35b-a3b's shapes). Same values,
+        MLX's CPU matrix-vector product is faster on it (BENCHMARKS.md,
+        "Measurements behind code comments"). Same values,
         same parameter names; an optimizer update stores its result in the
         usual layout again.
         """

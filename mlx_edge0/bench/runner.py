@@ -31,7 +31,7 @@ READ_CHUNK = 16 << 20
 MEMORY_POLL_S = 15.0
 MEMORY_MARGIN = GIB // 2
 # Resident bytes per stored byte of a stock int4 checkpoint: fp32 widens the
-# bf16 scales and biases (measured 1.11 on qwen3.5-35b-a3b).
+# bf16 scales and biases (BENCHMARKS.md, "Measurements behind code comments").
 STOCK_FP32_GROWTH = 1.12
 
 CACHE_NOTES = {
