@@ -1,7 +1,14 @@
-"""The ``edge0`` command line: convert, generate, info, bench.
+"""The ``edge0`` command line: ``convert``, ``generate``, ``info``, ``heads
+init``, ``eval`` here; ``serve`` (:mod:`mlx_edge0.serve`), ``bench``
+(:mod:`mlx_edge0.bench.commands`) and ``train`` (:mod:`mlx_edge0.train.commands`)
+from their own modules.
 
-The only module that reads argv; everything it does is a plain function call
-into the library with typed options.
+The command-line modules (these, and :mod:`mlx_edge0.flags` for the flags
+``generate`` and ``serve`` share) are the only ones that import click or read
+argv, apart from the server child parsing mlx_lm.server's own flags
+(:mod:`mlx_edge0.pinned_server`) and the bench child (:mod:`mlx_edge0.bench.measure`);
+everything a command does is a plain function call into the library with
+typed options.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 A command-line module: the click command (with the :class:`Options` flags of
 :mod:`mlx_edge0.flags`, as ``edge0 generate`` has them) and the supervision
-of the server process. Nothing here serves a request: :mod:`mlx_edge0.pinned_server` runs mlx-lm's
-server (its endpoints, batching, prompt cache, and so every OpenAI client)
-as a child process, pinned to the checkpoint checked here. ``edge0 serve``
-only
+of the server process. Nothing here serves a request:
+:mod:`mlx_edge0.pinned_server` runs mlx-lm's server (its endpoints, batching,
+prompt cache, and so every OpenAI client) as a child process, pinned to the
+checkpoint checked here. ``edge0 serve`` only
 
 - checks the checkpoint before anything starts (the trust check of
   :mod:`mlx_edge0.trust`, then every file as ``edge0 info`` checks it), so a
