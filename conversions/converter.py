@@ -30,10 +30,10 @@ import signal
 import sys
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,10 +71,16 @@ class ConversionError(RuntimeError):
 
 @dataclass(frozen=True)
 class ConvertOptions:
+    """``show_progress``: report each layer and tensor written, with
+    ``progress_bar(items, label, describe)`` (a context manager yielding
+    ``items``; ``describe(item)`` names one; the CLI passes click's bar) or,
+    when None, a counter line on stderr."""
+
     bits: int = 4
     group_size: int = 64
     force: bool = False
     show_progress: bool = True
+    progress_bar: Optional[Callable[[list, str, Callable[[Any], str]], ContextManager[Iterable]]] = None
 
 
 @dataclass(frozen=True)
@@ -368,7 +374,7 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
     with _atomic_dir(out_dir) as tmp:
         (tmp / EXPERT_DIR).mkdir()
         geometry = None
-        with _progress(list(source.switch_paths.items()), options.show_progress, "experts",
+        with _progress(list(source.switch_paths.items()), options, "experts",
                        lambda it: f"layer {it[0]}") as items:
             for layer, prefix in items:
                 stacked = {}
@@ -387,7 +393,7 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
                 )
                 del stacked
         resident, quantization = _resident_weights(source, options)
-        written[RESIDENT_FILE] = _write_resident(tmp / RESIDENT_FILE, resident, options.show_progress, generation)
+        written[RESIDENT_FILE] = _write_resident(tmp / RESIDENT_FILE, resident, options, generation)
         (tmp / SHIM_FILE).write_text(SHIM_SOURCE)
         _copy_small_files(source.path, tmp)
         checksums = {name: w.sha256 for name, w in written.items()}
@@ -414,14 +420,27 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
     )
 
 
-def _progress(items, show: bool, label: str, describe: Callable[[Any], str]):
-    """A progress bar over ``items``; ``describe(item)`` names the one being written."""
-    import click
+def _progress(items: list, options: ConvertOptions, label: str,
+              describe: Callable[[Any], str]) -> ContextManager[Iterable]:
+    """``items`` as they are written, shown by ``options.progress_bar`` (or a
+    counter line); ``describe(item)`` names the one being written."""
+    if not options.show_progress:
+        return nullcontext(items)
+    return (options.progress_bar or _counter_line)(items, label, describe)
 
-    return click.progressbar(
-        items, label=f"edge0 convert: {label}", file=None if show else open(os.devnull, "w"),
-        item_show_func=lambda it: describe(it) if it is not None else "",
-    )
+
+@contextmanager
+def _counter_line(items: list, label: str, describe: Callable[[Any], str]) -> Iterator[Iterable]:
+    """``edge0 convert: experts 3/48 (layer 3)``, rewritten in place on stderr."""
+
+    def counted() -> Iterator:
+        for i, item in enumerate(items, 1):
+            print(f"\redge0 convert: {label} {i}/{len(items)} ({describe(item)})", end="", file=sys.stderr,
+                  flush=True)
+            yield item
+        print(file=sys.stderr)
+
+    yield counted()
 
 
 def _nonfinite_rows(a: mx.array) -> list[int]:
@@ -521,11 +540,11 @@ def _resident_weights(source: _Source, options: ConvertOptions):
     return dict(tree_flatten(model.parameters())), qconfig["quantization"]
 
 
-def _write_resident(path: Path, weights: dict, show_progress: bool, generation: str) -> Written:
+def _write_resident(path: Path, weights: dict, options: ConvertOptions, generation: str) -> Written:
     names = sorted(weights)
     entries = [(n, dtype_code(weights[n].dtype), tuple(weights[n].shape)) for n in names]
     with TensorWriter(path, entries, {"format": "mlx", GENERATION_KEY: generation}) as writer:
-        with _progress(names, show_progress, "resident tensors", str) as items:
+        with _progress(names, options, "resident tensors", str) as items:
             for name in items:
                 writer.write(name, weights.pop(name))  # release as written
     return Written(path.stat().st_size, writer.sha256)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..families import check_covers
+
 # Key forms, written once.
 STACKED = "switch_mlp.{proj}.{weight|scales|biases}"  # mlx-community / mlx-lm
 PER_EXPERT = "experts.{e}.{proj}.weight"  # Hugging Face
@@ -48,6 +50,7 @@ ARCHITECTURES: dict[str, SourceArchitecture] = {
         SourceArchitecture("bailing_moe_v3", (STACKED, PER_EXPERT), "Ling 3.0 (bailing_moe_v3 / bailing_hybrid)"),
     )
 }
+check_covers(ARCHITECTURES, __name__)
 
 
 def detect_forms(keys) -> list[str]:

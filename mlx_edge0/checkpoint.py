@@ -133,6 +133,15 @@ class Edge0Section:
     generation: Optional[str] = None
     sha256: Optional[dict[str, str]] = None
 
+    @property
+    def consumer_k(self) -> int:
+        """The K the prerouted (consumer) layers route with: the heads' K when
+        the checkpoint has heads (so swapping the heads file swaps K), else
+        the native K."""
+        if self.prerouter:
+            return int(self.prerouter.get("k", self.num_experts_per_tok))
+        return self.num_experts_per_tok
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for optional in ("prerouter", "generation", "sha256"):

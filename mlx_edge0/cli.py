@@ -1,7 +1,14 @@
-"""The ``edge0`` command line: convert, generate, info, bench.
+"""The ``edge0`` command line: ``convert``, ``generate``, ``info``, ``heads
+init``, ``eval`` here; ``serve`` (:mod:`mlx_edge0.serve`), ``bench``
+(:mod:`mlx_edge0.bench.commands`) and ``train`` (:mod:`mlx_edge0.train.commands`)
+from their own modules.
 
-The only module that reads argv; everything it does is a plain function call
-into the library with typed options.
+The command-line modules (these, and :mod:`mlx_edge0.flags` for the flags
+``generate`` and ``serve`` share) are the only ones that import click or read
+argv, apart from the server child parsing mlx_lm.server's own flags
+(:mod:`mlx_edge0.pinned_server`) and the bench child (:mod:`mlx_edge0.bench.measure`);
+everything a command does is a plain function call into the library with
+typed options.
 """
 
 from __future__ import annotations
@@ -13,13 +20,20 @@ from typing import Optional
 import click
 
 from .bench.commands import bench
+from .flags import model_option, option_flags
+from .flags import options_from_flags as _options
 from .serve import serve_command
 from .train.commands import train
-from .options import COMPUTE_DTYPES, HOT_POLICIES, PAGE_CACHE_POLICIES, PREFILL_PATHS, Options
 
 
 def _fail(message: str) -> None:
     raise click.ClickException(message)
+
+
+def _progress_bar(items: list, label: str, describe):
+    """``edge0 convert``'s progress: click's bar over the layers (or tensors) written."""
+    return click.progressbar(items, label=f"edge0 convert: {label}",
+                             item_show_func=lambda it: describe(it) if it is not None else "")
 
 
 @click.group()
@@ -47,7 +61,8 @@ def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> Non
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force))
+            report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force,
+                                                          progress_bar=_progress_bar))
         except (ConversionError, ValueError, OSError) as e:
             _fail(str(e))
         finally:
@@ -60,58 +75,8 @@ def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> Non
     )
 
 
-def _cache_gib(ctx, param, value: str):
-    if value == "auto":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: use 'auto' or a number of GiB") from None
-
-
-def option_flags(f):
-    """The :class:`Options` fields as flags (shared by commands that load a model)."""
-    flags = [
-        click.option("--compute-dtype", type=click.Choice(COMPUTE_DTYPES), default="auto", show_default=True,
-                     help="float32 on CPU by default; the checkpoint's dtype on Metal."),
-        click.option("--io-threads", default=Options.io_threads, show_default=True),
-        click.option("--cache-gib", default="auto", show_default=True, callback=_cache_gib,
-                     help="Hot expert cache budget in GiB ('auto': from available memory; 0: off)."),
-        click.option("--hot-policy", type=click.Choice(HOT_POLICIES), default=Options.hot_policy,
-                     show_default=True),
-        click.option("--staged/--no-staged", default=Options.staged, show_default=True,
-                     help="Decode through per-layer staged slots."),
-        click.option("--staged-slots", default=Options.staged_slots, show_default=True,
-                     help="Slots per staged buffer (0 = K)."),
-        click.option("--staged-window", default=Options.staged_window, show_default=True,
-                     help="Staged buffers the prerouted layers take in turn (0 = one per layer; "
-                          "N >= 3: N x K rows, reads about N-2 layers ahead)."),
-        click.option("--prefill", type=click.Choice(PREFILL_PATHS), default=Options.prefill,
-                     show_default=True, help="Prompt-chunk path."),
-        click.option("--prerouter/--no-prerouter", default=Options.prerouter, show_default=True,
-                     help="Route with the prerouter heads' predictions (when the checkpoint has heads)."),
-        click.option("--k", "k", default=Options.k, show_default=True,
-                     help="Experts per token on prerouted layers (0 = the checkpoint's K)."),
-        click.option("--page-cache", type=click.Choice(PAGE_CACHE_POLICIES), default=Options.page_cache,
-                     show_default=True, help="What expert reads leave in the OS page cache."),
-        click.option("--lora/--no-lora", default=Options.lora, show_default=True,
-                     help="Apply the checkpoint's recovery LoRA adapters (when it has them), unmerged."),
-    ]
-    for flag in reversed(flags):
-        f = flag(f)
-    return f
-
-
-def _options(**fields) -> Options:
-    try:
-        return Options(**fields)
-    except ValueError as e:
-        _fail(str(e))
-
-
 @main.command()
-@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
-              help="Edge0 checkpoint dir (default: the embedded default model).")
+@model_option
 @click.option("--prompt", "-p", default="def fibonacci(n):", show_default=True)
 @click.option("--max-tokens", "-m", default=64, show_default=True)
 @click.option("--temp", type=float, default=None,
@@ -165,6 +130,7 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, seed: int
         _fail(str(e))
     except OSError as e:  # e.g. a tokenizer file that cannot be read
         _fail(f"{e.filename or model_path}: cannot be read ({e.strerror or e})")
+    model.limit_buffer_cache()  # this process runs this model alone
     origin = f" (from {source.name}; flags override)" if source is not None else ""
     click.echo(f"sampling: {sampling.describe()}, seed {seed}{origin}", err=True)
     mx.random.seed(seed)
@@ -307,4 +273,4 @@ def eval_command(checkpoint: Path, teacher: Optional[Path], sft: Optional[Path],
     click.echo(format_table(result))
 
 
-main.add_command(serve_command())
+main.add_command(serve_command)

@@ -126,8 +126,7 @@ def evaluate(checkpoint: Path, teacher: Optional[Path] = None, adapters: Optiona
         log(f"eval: fp teacher ppl {rows[-1]['ppl']:.3f}")
     model = load_served(checkpoint, lora=False)
     section = model.edge0_section
-    k = int((section.prerouter or {}).get("k", section.num_experts_per_tok))
-    spec = PrerouterSpec.default(section.moe_layers, k)
+    spec = PrerouterSpec.default(section.moe_layers, section.consumer_k)
     exact = StudentPath(model, heads={})
     warm = init_heads(model, spec)
     variants = [("int4, exact routing", exact), ("int4 + warm-start heads", StudentPath(model, warm, exact.experts))]

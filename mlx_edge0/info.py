@@ -50,8 +50,7 @@ def describe(path: Path | str) -> dict[str, Any]:
         load_heads(path, section, int(section.prerouter.get("k", 0)))
     adapters = None
     if has_adapters(path):
-        heads_k = section.prerouter.get("k") if section.prerouter else section.num_experts_per_tok
-        a = read_adapters(path, k=int(heads_k))  # validates both files against this checkpoint
+        a = read_adapters(path, k=section.consumer_k)  # validates both files against this checkpoint
         kinds: dict[str, int] = {}
         for kind in a.kinds.values():
             kinds[kind] = kinds.get(kind, 0) + 1
@@ -65,7 +64,7 @@ def describe(path: Path | str) -> dict[str, Any]:
         "format_version": section.format_version,
         "moe_layers": list(section.moe_layers),
         "num_experts_per_tok": {
-            str(i): (section.prerouter["k"] if section.prerouter and i in section.prerouter["consumers"]
+            str(i): (section.consumer_k if section.prerouter and i in section.prerouter["consumers"]
                      else section.num_experts_per_tok)
             for i in section.moe_layers
         },

@@ -24,9 +24,7 @@ checkpoint's own files and names the file on any mismatch.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +35,10 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
+from .atomic import atomic_path
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
 from .integrity import GENERATION_KEY, check_generation
-from .tensorfile import TensorFileError, TensorHeader, read_header
+from .tensorfile import TensorFileError, TensorHeader, read_header, tensors_sha256
 
 ADAPTERS_FILE = "adapters.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -161,22 +160,12 @@ def consumer_k(model: nn.Module) -> int:
     return runtime.k_of[consumers[0]]
 
 
-def source_hash(checkpoint: Path, targets: tuple[str, ...]) -> str:
-    """SHA-256 over the targets' base tensors in ``model.safetensors`` (name + bytes):
-    adapters are tied to exactly these weights."""
-    path = Path(checkpoint) / RESIDENT_FILE
-    header = read_header(path)
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for target in targets:
-            for part in BASE_PARTS:
-                entry = header.entries.get(f"{target}.{part}")
-                if entry is None:
-                    continue
-                f.seek(entry.start)
-                digest.update(f"{target}.{part}".encode())
-                digest.update(f.read(entry.nbytes))
-    return digest.hexdigest()
+def targets_hash(checkpoint: Path, targets: tuple[str, ...]) -> str:
+    """SHA-256 over the targets' base tensors in ``model.safetensors`` (in
+    target order; name + bytes): adapters are tied to exactly these weights.
+    Stored as the adapter config's ``source_hash``."""
+    names = [f"{target}.{part}" for target in targets for part in BASE_PARTS]
+    return tensors_sha256(Path(checkpoint) / RESIDENT_FILE, names)
 
 
 def save_adapters(out_dir: Path, model: nn.Module, checkpoint: Path, k: int) -> Path:
@@ -191,23 +180,17 @@ def save_adapters(out_dir: Path, model: nn.Module, checkpoint: Path, k: int) -> 
     first = next(iter(modules.values()))
     rank = first.lora_a.shape[1]
     targets = tuple(sorted(modules, key=_path_key))
-    config = AdapterConfig(targets, k, source_hash(checkpoint, targets), rank, first.scale * rank)
+    config = AdapterConfig(targets, k, targets_hash(checkpoint, targets), rank, first.scale * rank)
     tensors = {}
     for path in targets:
         tensors[f"{path}.lora_a"] = modules[path].lora_a
         tensors[f"{path}.lora_b"] = modules[path].lora_b
-    tmp = out_dir / f".adapters.tmp-{os.getpid()}.safetensors"
-    tmp_config = out_dir / f".{ADAPTER_CONFIG_FILE}.tmp-{os.getpid()}"
-    try:
-        generation = read_config(checkpoint).get("edge0", {}).get(GENERATION_KEY)
-        metadata = {"format": ADAPTER_FORMAT, **({GENERATION_KEY: generation} if generation else {})}
+    generation = read_config(checkpoint).get("edge0", {}).get(GENERATION_KEY)
+    metadata = {"format": ADAPTER_FORMAT, **({GENERATION_KEY: generation} if generation else {})}
+    # both written before either replaces its file (the tensors first)
+    with atomic_path(out_dir / ADAPTER_CONFIG_FILE) as tmp_config, atomic_path(out_dir / ADAPTERS_FILE) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata=metadata)
         tmp_config.write_text(json.dumps(config.to_dict(len(model.layers)), indent=2) + "\n")
-        os.replace(tmp, out_dir / ADAPTERS_FILE)
-        os.replace(tmp_config, out_dir / ADAPTER_CONFIG_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
-        tmp_config.unlink(missing_ok=True)
     return out_dir / ADAPTERS_FILE
 
 
@@ -278,7 +261,7 @@ def read_adapters(checkpoint: Path, directory: Optional[Path] = None, k: int = 0
         if found is None:
             raise fail(config_path, f"{target} has no base projection in {checkpoint / RESIDENT_FILE}")
         dims[target], kinds[target] = found, declared[m[2]]
-    if config.source_hash != source_hash(checkpoint, config.targets):
+    if config.source_hash != targets_hash(checkpoint, config.targets):
         raise fail(config_path, "adapters were made for another model (target weights differ: "
                                 "source_hash mismatch)")
     if k and config.k != k:

@@ -134,6 +134,18 @@ class Edge0Model:
             for k, v in weights.items()
         }
 
+    def limit_buffer_cache(self) -> int:
+        """Cap MLX's buffer cache at one layer's experts (the largest transient
+        a forward frees), so freed transients do not pile up; returns the
+        previous limit.
+
+        ``mx.set_cache_limit`` holds for every model in the process, so
+        loading never calls this: the entry points whose process runs this
+        model alone do (``edge0 generate``, ``edge0 serve``, the bench child,
+        stock mlx-lm commands through the checkpoint's shim).
+        """
+        return mx.set_cache_limit(self.edge0_runtime.loader.layer_bytes)
+
     def stats(self) -> dict:
         """Telemetry since load (or the last reset): summed counters, the last
         step, resident bytes per tier, peak MLX memory."""

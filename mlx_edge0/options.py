@@ -2,13 +2,16 @@
 
 Options reach a model either from :func:`mlx_edge0.load` (keyword arguments) or,
 when stock ``mlx_lm.generate`` / ``mlx_lm.server`` load a checkpoint, from their
-defaults. The CLI is the only place that reads argv.
+defaults. Each field's metadata holds what a command line needs to offer it
+(help text, choices, a parser for values that are not plain ``int``/``bool``);
+:mod:`mlx_edge0.flags` turns the fields into ``edge0 generate`` / ``edge0 serve``
+flags, so this module stays free of click.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional, Union
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 
@@ -26,6 +29,28 @@ MIN_STAGED_WINDOW = 3
 # "auto" hot cache: this share of available memory, at most this share of the experts.
 AUTO_CACHE_MEMORY_SHARE = 0.10
 AUTO_CACHE_EXPERT_SHARE = 0.25
+
+
+def parse_cache_gib(value: str) -> Union[float, str]:
+    """``cache_gib`` from text: "auto" or a number of GiB.
+
+    Raises:
+        ValueError: anything else, with the fix.
+    """
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{value!r}: use 'auto' or a number of GiB") from None
+
+
+def _option(default: Any, help: Optional[str] = None, choices: tuple[str, ...] = (),
+            parse: Optional[Callable[[str], Any]] = None) -> Any:
+    """A field of :class:`Options` with its command-line metadata (read by
+    :mod:`mlx_edge0.flags`): ``help``, ``choices`` (a closed set of strings),
+    ``parse`` (text -> value, raising ``ValueError`` with the fix)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
 
 
 @dataclass(frozen=True)
@@ -78,18 +103,21 @@ class Options:
             the int4 base alone.
     """
 
-    compute_dtype: str = "auto"
-    io_threads: int = 4
-    cache_gib: Union[float, str] = "auto"
-    hot_policy: str = "lfu"
-    staged: bool = False
-    staged_slots: int = 0
-    staged_window: int = 0
-    prefill: str = "auto"
-    page_cache: str = "keep"
-    prerouter: bool = True
-    k: int = 0
-    lora: bool = True
+    compute_dtype: str = _option("auto", "float32 on CPU by default; the checkpoint's dtype on Metal.",
+                                 choices=COMPUTE_DTYPES)
+    io_threads: int = _option(4)
+    cache_gib: Union[float, str] = _option(
+        "auto", "Hot expert cache budget in GiB ('auto': from available memory; 0: off).", parse=parse_cache_gib)
+    hot_policy: str = _option("lfu", choices=HOT_POLICIES)
+    staged: bool = _option(False, "Decode through per-layer staged slots.")
+    staged_slots: int = _option(0, "Slots per staged buffer (0 = K).")
+    staged_window: int = _option(0, "Staged buffers the prerouted layers take in turn (0 = one per layer; "
+                                    "N >= 3: N x K rows, reads about N-2 layers ahead).")
+    prefill: str = _option("auto", "Prompt-chunk path.", choices=PREFILL_PATHS)
+    page_cache: str = _option("keep", "What expert reads leave in the OS page cache.", choices=PAGE_CACHE_POLICIES)
+    prerouter: bool = _option(True, "Route with the prerouter heads' predictions (when the checkpoint has heads).")
+    k: int = _option(0, "Experts per token on prerouted layers (0 = the checkpoint's K).")
+    lora: bool = _option(True, "Apply the checkpoint's recovery LoRA adapters (when it has them), unmerged.")
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:

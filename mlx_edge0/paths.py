@@ -34,8 +34,9 @@ class ExactPath:
     def __init__(self, runtime: "StreamingRuntime"):
         self.runtime = runtime
         # Rows for one routed set (K), reused by every call whose union fits:
-        # a fresh buffer per decode call cost ~2.6 ms to allocate and zero on
-        # qwen3.5-35b-a3b (8 x 1.69 MiB). Larger unions get fresh buffers.
+        # allocating and zeroing a fresh buffer per decode call costs time on
+        # every step (BENCHMARKS.md, "Measurements behind code comments").
+        # Larger unions get fresh buffers.
         self.scratch: Optional[SlotBuffers] = None
 
     def begin(self, layer: int) -> None:

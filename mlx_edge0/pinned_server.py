@@ -130,6 +130,7 @@ class PinnedModelProvider(stock.ModelProvider):
             import mlx_edge0
 
             model, tokenizer = mlx_edge0.load(self.checkpoint, **self.options.to_dict())
+            model.limit_buffer_cache()  # this process serves this model alone
             if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
                 tokenizer.chat_template = tokenizer.default_chat_template
             self.model_key = (str(self.checkpoint), None, None)

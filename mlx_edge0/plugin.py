@@ -54,6 +54,15 @@ def build_model(args: Edge0Args):
     return args.family.model_class(args)
 
 
+def build_model_alone(args: Edge0Args):
+    """``Model(args)`` for a stock mlx-lm command (the shim's way in), whose
+    process runs this model: also caps MLX's buffer cache
+    (:meth:`~mlx_edge0.model.Edge0Model.limit_buffer_cache`)."""
+    model = build_model(args)
+    model.limit_buffer_cache()
+    return model
+
+
 def model_classes(checkpoint_dir: Path) -> Callable[..., tuple[Callable, ModelArgsReader]]:
     """mlx-lm's ``get_model_classes`` for a checked checkpoint directory."""
 
@@ -71,4 +80,4 @@ def bind(shim_file: str) -> tuple[Callable, ModelArgsReader]:
     Raises:
         UntrustedCodeError: the checkpoint fails :func:`mlx_edge0.trust.check_code`.
     """
-    return build_model, ModelArgsReader(check_code(Path(os.path.abspath(shim_file)).parent))
+    return build_model_alone, ModelArgsReader(check_code(Path(os.path.abspath(shim_file)).parent))

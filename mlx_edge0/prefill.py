@@ -10,10 +10,10 @@ are released after use; at most two layers are held.
 
 Page cache: explicit, ``Options.page_cache``. "keep" (default) leaves the
 whole-layer reads in the OS page cache, so decode misses right after a prompt
-hit memory (measured: 40 vs 151 ms/token exposed wait on ling-3.0-tiny);
-"drop-prefill" evicts them once they are in our buffers, so a prompt does not
-pull the whole checkpoint into the page cache (0.36 vs 3.64 GiB cached).
-Decode reads are always left cached: they recur. See BENCHMARKS.md.
+hit memory; "drop-prefill" evicts them once they are in our buffers, so a
+prompt does not pull the whole checkpoint into the page cache. Decode reads
+are always left cached: they recur. Measured: BENCHMARKS.md, "Page-cache
+policy".
 """
 
 from __future__ import annotations

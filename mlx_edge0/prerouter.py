@@ -24,9 +24,7 @@ validates all of it and names the file on any mismatch.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +34,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .atomic import atomic_path, write_json_atomic
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
 from .integrity import GENERATION_KEY, check_generation
-from .tensorfile import TensorFileError, TensorWriter, dtype_code, read_header
+from .tensorfile import TensorFileError, TensorWriter, dtype_code, read_header, tensors_sha256
 
 PREROUTER_FILE = "prerouter.safetensors"
 PREROUTER_FORMAT = "edge0-prerouter"
@@ -67,8 +66,8 @@ class PrerouterHead(nn.Module):
         """Keep each weight as an ``[in, out]`` buffer viewed as ``[out, in]``.
 
         ``nn.Linear`` multiplies by ``weight.T``, which is then contiguous:
-        MLX's CPU matrix-vector product is about twice as fast on it (a head
-        at decode: 2.8 -> 1.6 ms on qwen3.5-35b-a3b's shapes). Same values,
+        MLX's CPU matrix-vector product is faster on it (BENCHMARKS.md,
+        "Measurements behind code comments"). Same values,
         same parameter names; an optimizer update stores its result in the
         usual layout again.
         """
@@ -109,19 +108,12 @@ class PrerouterSpec:
         return cls(tuple(moe_layers[:-1]), tuple(moe_layers[1:]), k)
 
 
-def source_hash(checkpoint: Path) -> str:
-    """SHA-256 over the router tensors of ``model.safetensors`` (name + bytes):
-    heads are tied to exactly these routers."""
-    header = read_header(checkpoint / RESIDENT_FILE)
-    digest = hashlib.sha256()
-    names = sorted(n for n in header.entries if _is_router(n))
-    with open(checkpoint / RESIDENT_FILE, "rb") as f:
-        for name in names:
-            e = header.entries[name]
-            f.seek(e.start)
-            digest.update(name.encode())
-            digest.update(f.read(e.nbytes))
-    return digest.hexdigest()
+def routers_hash(checkpoint: Path) -> str:
+    """SHA-256 over the router tensors of ``model.safetensors`` (sorted by
+    name; name + bytes): heads are tied to exactly these routers. Stored as
+    the heads file's ``source_hash``."""
+    path = Path(checkpoint) / RESIDENT_FILE
+    return tensors_sha256(path, sorted(n for n in read_header(path).entries if _is_router(n)))
 
 
 def _is_router(name: str) -> bool:
@@ -163,25 +155,18 @@ def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: Preroute
         "consumers": json.dumps(list(spec.consumers)),
         "k": str(spec.k),
         "hidden": str(spec.hidden),
-        "source_hash": source_hash(checkpoint),
+        "source_hash": routers_hash(checkpoint),
         **({GENERATION_KEY: generation} if generation else {}),
     }
     path = checkpoint / spec.file
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     entries = [(n, dtype_code(v.dtype), tuple(v.shape)) for n, v in tensors.items()]
-    try:
-        with TensorWriter(tmp, entries, metadata) as writer:
-            for name, value in tensors.items():
-                writer.write(name, value)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, TensorWriter(tmp, entries, metadata) as writer:
+        for name, value in tensors.items():
+            writer.write(name, value)
     config["edge0"]["prerouter"] = spec.to_dict()
     if isinstance(config["edge0"].get("sha256"), dict):
         config["edge0"]["sha256"][spec.file] = writer.sha256
-    tmp_config = checkpoint / f".{CONFIG_FILE}.tmp-{os.getpid()}"
-    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_config, checkpoint / CONFIG_FILE)
+    write_json_atomic(checkpoint / CONFIG_FILE, config, indent=2, sort_keys=True)
     return path
 
 
@@ -233,7 +218,7 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
     if spec.k != want_k:
         raise fail(f"heads were made for K={spec.k}, but K={want_k} was asked for "
                    f"(make matching heads with `edge0 heads init --k {want_k}`)")
-    if meta.get("source_hash") != source_hash(checkpoint):
+    if meta.get("source_hash") != routers_hash(checkpoint):
         raise fail("heads were made for another model (router weights differ: source_hash mismatch)")
     g = section.experts
     heads = {}

@@ -4,8 +4,9 @@ It owns the expert store, the hot cache, the staged slots, the whole-layer
 loader and the telemetry, sizes them from :class:`Options` once, and picks a
 path per forward. Peak MLX memory during decode is resident weights + hot
 cache + staged slots (or window) + KV: all fixed at load, independent of the checkpoint's
-size and of generation length (MLX's buffer cache is capped so freed
-transients do not pile up).
+size and of generation length, once MLX's buffer cache is capped so freed
+transients do not pile up (process-wide, so the caller's choice:
+:meth:`mlx_edge0.model.Edge0Model.limit_buffer_cache`).
 """
 
 from __future__ import annotations
@@ -60,9 +61,8 @@ class StreamingRuntime:
                 f"heads; make them with `edge0 heads init --k {options.k}`"
             )
         # K per MoE layer: the layers the heads predict route with the heads'
-        # K (so swapping the heads file swaps K); an explicit k must match it.
-        heads_k = int(section.prerouter.get("k", k)) if section.prerouter else k
-        spec, heads = load_heads(checkpoint_dir, section, options.k or heads_k) if section.prerouter else (None, {})
+        # K (section.consumer_k); an explicit k must match it.
+        spec, heads = load_heads(checkpoint_dir, section, options.k or section.consumer_k) if section.prerouter else (None, {})
         self.k_of = {l: k for l in layers}
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
@@ -93,7 +93,6 @@ class StreamingRuntime:
         # Set inside ``training_forward``: the whole-sequence training forward
         # (mlx_edge0.train.student) that routes and computes every MoE call.
         self.training_path = None
-        mx.set_cache_limit(self.loader.layer_bytes)
 
     def attach(self, blocks: dict[int, "StreamingMoE"]) -> None:
         """Give the prerouter the blocks whose routing math it applies."""

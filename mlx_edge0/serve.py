@@ -1,9 +1,11 @@
 """``edge0 serve``: the stock ``mlx_lm.server`` on one checked edge0 checkpoint.
 
-Nothing here serves a request: :mod:`mlx_edge0.pinned_server` runs mlx-lm's
-server (its endpoints, batching, prompt cache, and so every OpenAI client)
-as a child process, pinned to the checkpoint checked here. ``edge0 serve``
-only
+A command-line module: the click command (with the :class:`Options` flags of
+:mod:`mlx_edge0.flags`, as ``edge0 generate`` has them) and the supervision
+of the server process. Nothing here serves a request:
+:mod:`mlx_edge0.pinned_server` runs mlx-lm's server (its endpoints, batching,
+prompt cache, and so every OpenAI client) as a child process, pinned to the
+checkpoint checked here. ``edge0 serve`` only
 
 - checks the checkpoint before anything starts (the trust check of
   :mod:`mlx_edge0.trust`, then every file as ``edge0 info`` checks it), so a
@@ -18,7 +20,6 @@ only
 
 from __future__ import annotations
 
-import functools
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import click
 
 from .checkpoint import CheckpointError, read_config, text_config
-from .options import Options
+from .flags import model_option, option_flags, options_from_flags
 from .pinned_server import ServingSpec
 from .tensorfile import TensorFileError
 
@@ -147,8 +148,17 @@ def serve_checkpoint(spec: ServingSpec, server_args: Sequence[str] = (),
             signal.signal(signal.SIGTERM, saved)
 
 
-def serve(model_path: Optional[Path], host: str, port: int, max_prompt_tokens: Optional[int],
-          server_args: tuple[str, ...], **option_fields) -> None:
+@click.command("serve", context_settings={"ignore_unknown_options": True})
+@model_option
+@click.option("--host", default=DEFAULT_HOST, show_default=True,
+              help="Address to bind. Loopback by default; anything else exposes the server.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True)
+@click.option("--max-prompt-tokens", type=int, default=None,
+              help="Refuse longer prompts with a 400 (default: the model's context; 0: no limit).")
+@option_flags
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def serve_command(model_path: Optional[Path], host: str, port: int, max_prompt_tokens: Optional[int],
+                  server_args: tuple[str, ...], **option_fields) -> None:
     """Serve an edge0 checkpoint with the stock mlx_lm.server (OpenAI API).
 
     Options not listed here are passed to mlx_lm.server unchanged, e.g.
@@ -156,10 +166,7 @@ def serve(model_path: Optional[Path], host: str, port: int, max_prompt_tokens: O
     (see `mlx_lm.server --help`); --model, --adapter-path, --draft-model and
     --trust-remote-code are refused.
     """
-    try:
-        options = Options(**option_fields)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    options = options_from_flags(**option_fields)
     if max_prompt_tokens is not None and max_prompt_tokens < 0:
         raise click.ClickException(f"--max-prompt-tokens must be 0 (no limit) or positive, got {max_prompt_tokens}")
     if model_path is None:
@@ -179,27 +186,3 @@ def serve(model_path: Optional[Path], host: str, port: int, max_prompt_tokens: O
     click.echo(f"edge0 serve: {checkpoint} on http://{host}:{port} (mlx_lm.server; prompts up to "
                f"{limit or 'any number of'} tokens)", err=True)
     sys.exit(serve_checkpoint(spec, server_args, log=lambda m: click.echo(m, err=True)))
-
-
-@functools.cache
-def serve_command() -> click.Command:
-    """``edge0 serve``: :func:`serve` with ``generate``'s Options flags (from
-    cli.py, which imports this module, hence a factory)."""
-    from .cli import option_flags
-
-    decorators = [
-        click.command("serve", context_settings={"ignore_unknown_options": True}),
-        click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
-                     help="Edge0 checkpoint dir (default: the embedded default model)."),
-        click.option("--host", default=DEFAULT_HOST, show_default=True,
-                     help="Address to bind. Loopback by default; anything else exposes the server."),
-        click.option("--port", default=DEFAULT_PORT, show_default=True),
-        click.option("--max-prompt-tokens", type=int, default=None,
-                     help="Refuse longer prompts with a 400 (default: the model's context; 0: no limit)."),
-        option_flags,
-        click.argument("server_args", nargs=-1, type=click.UNPROCESSED),
-    ]
-    command = serve
-    for decorate in reversed(decorators):
-        command = decorate(command)
-    return command

@@ -180,6 +180,24 @@ def _parse_entry(name, info, data_start, file_size, fail) -> TensorEntry:
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
+def tensors_sha256(path: Path | str, names: Iterable[str]) -> str:
+    """SHA-256 over the tensors ``names`` of the safetensors file ``path``, in
+    that order, each as its name (UTF-8) then its data bytes; names the file
+    does not hold are skipped. Ties a derived file (heads, adapters) to the
+    exact weights it was made for."""
+    header = read_header(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for name in names:
+            entry = header.entries.get(name)
+            if entry is None:
+                continue
+            f.seek(entry.start)
+            digest.update(name.encode())
+            digest.update(f.read(entry.nbytes))
+    return digest.hexdigest()
+
+
 def array_bytes(a: mx.array) -> memoryview:
     """The raw bytes of an evaluated array (made contiguous first)."""
     a = mx.contiguous(a)

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import quantize_model, save_config, save_model
 
+from .families import FAMILIES, check_covers
 from .model_patches import resolve_model_type
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -50,8 +51,6 @@ CHAT_TEMPLATE = (
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "bailing_moe", "bailing_moe_v3")
 
 HIDDEN, LAYERS, EXPERTS, TOP_K = 128, 4, 16, 4
 MOE_INTERMEDIATE, DENSE_INTERMEDIATE = 64, 256
@@ -192,6 +191,7 @@ _CONFIGS = {
         "short_conv_kernel_size": 4, "v_head_dim": 32,
     },
 }  # fmt: skip
+check_covers(_CONFIGS, __name__)
 
 
 def tiny_config(model_type: str, vocab_size: int = 512) -> dict:

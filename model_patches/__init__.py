@@ -17,6 +17,7 @@ from types import ModuleType
 from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 
 from ..checkpoint import CheckpointError
+from ..families import FAMILIES, check_covers
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ _REGISTRY = {
     "bailing_moe_v3": ("bailing", "BailingMoeV3Model"),
 }
 ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
-SUPPORTED = tuple(_REGISTRY)
+check_covers(_REGISTRY, __name__)
+SUPPORTED = FAMILIES
 
 
 def resolve_model_type(config: dict) -> str:

@@ -159,6 +159,7 @@ def _load(arm: str, path: Path, dtype: str, k: int = 0):
     from mlx_edge0 import load_model
 
     model = load_model(path, compute_dtype=dtype, **options, **({"k": k} if k else {}))
+    model.limit_buffer_cache()  # the child runs this arm alone
     mx.eval(model.parameters())
     return model
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
+from ..atomic import write_json_atomic
 from ..options import GIB, available_memory
 from ..progress import bar, note
 from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, parse_arm
@@ -33,7 +34,7 @@ READ_CHUNK = 16 << 20
 MEMORY_POLL_S = 15.0
 MEMORY_MARGIN = GIB // 2
 # Resident bytes per stored byte of a stock int4 checkpoint: fp32 widens the
-# bf16 scales and biases (measured 1.11 on qwen3.5-35b-a3b).
+# bf16 scales and biases (BENCHMARKS.md, "Measurements behind code comments").
 STOCK_FP32_GROWTH = 1.12
 
 CACHE_NOTES = {
@@ -335,9 +336,7 @@ def write_json(path: Path, data: dict) -> None:
     """Write atomically (a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent=2)
 
 
 # Options that only say which runs to make: an earlier file that differs in

@@ -118,8 +118,7 @@ def train_heads(options: PhaseOptions, mse_weight: float = MSE_WEIGHT, *, show_p
     model = load_served(checkpoint, prerouter=False)
     model.freeze()
     section = model.edge0_section
-    k = int((section.prerouter or {}).get("k", section.num_experts_per_tok))
-    spec = PrerouterSpec.default(section.moe_layers, k)
+    spec = PrerouterSpec.default(section.moe_layers, section.consumer_k)
     consumer_of = dict(zip(spec.owners, spec.consumers))
     # the consumers' own routing math (at the heads' K even with the prerouter off)
     routes = {o: model.layers[c].mlp.route for o, c in consumer_of.items()}
@@ -151,7 +150,7 @@ def train_heads(options: PhaseOptions, mse_weight: float = MSE_WEIGHT, *, show_p
     trained, baseline = eval_fn(head_set), evaluate_heads(warm, held_features, routes)
     path = save_heads(checkpoint, head_set.as_dict(), spec)
     shutil.copy(path, Path(options.out_dir) / PREROUTER_FILE)
-    report = {"phase": "heads", "k": k, "mse_weight": mse_weight, "trained": trained,
+    report = {"phase": "heads", "k": spec.k, "mse_weight": mse_weight, "trained": trained,
               "warm_start": baseline, "final_loss": last_loss(log),
               "outputs": [str(path)]}
     write_report(options, report)

@@ -27,6 +27,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..progress import bar
+from ..atomic import write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "log.json"
@@ -172,11 +173,11 @@ def run_loop(
             pending_entries = [{"step": done, "loss": v, "pending": True} for v in pending]
             _save_checkpoint(out_dir, done, model, optimizer, options, description,
                              log + pending_entries, elapsed)
-            _write_json_atomic(out_dir / LOG_FILE, {"description": description, "log": log})
+            write_json_atomic(out_dir / LOG_FILE, {"description": description, "log": log}, indent=2)
             window_start = time.perf_counter()
     steps.close()
     if not (out_dir / LOG_FILE).exists():
-        _write_json_atomic(out_dir / LOG_FILE, {"description": description, "log": log})
+        write_json_atomic(out_dir / LOG_FILE, {"description": description, "log": log}, indent=2)
     return log
 
 
@@ -247,8 +248,3 @@ def _write_json(path: Path, obj: Any) -> None:
         json.dump(obj, f, indent=2)
         f.write("\n")
 
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    _write_json(tmp, obj)
-    os.replace(tmp, path)

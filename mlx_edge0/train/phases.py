@@ -10,7 +10,6 @@ checkpoint's own tokenizer; held-out files never feed training.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..atomic import atomic_path
 from ..progress import bar, note, track
 from .data import split_corpus, tokenize_documents
 from .loop import LoopOptions
@@ -161,9 +161,8 @@ def token_rows(path: Path, make, *, label: str) -> np.ndarray:
     if path.is_file():
         return np.load(path)
     rows = np.asarray(make(), dtype=np.int32)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npy")
-    np.save(tmp, rows)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        np.save(tmp, rows)
     note(f"{label}: {rows.shape[0]} rows of {rows.shape[1]} tokens -> {path}")
     return rows
 
