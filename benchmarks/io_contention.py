@@ -134,7 +134,8 @@ def main() -> None:
         rows = [r for r in runs if r["mode"] == mode]
         summary[mode] = stats_of(rows, ("compute_ms_per_token", "kernel_cpu_ms_per_token"))
         c, k = summary[mode]["compute_ms_per_token"], summary[mode]["kernel_cpu_ms_per_token"]
-        print(f"| {mode} | {c['median']:.0f} ({c['min']:.0f}–{c['max']:.0f}) | {k['median']:.0f} ({k['min']:.0f}–{k['max']:.0f}) |")
+        print(f"| {mode} | {c['median']:.0f} ({c['min']:.0f}–{c['max']:.0f}) "
+            f"| {k['median']:.0f} ({k['min']:.0f}–{k['max']:.0f}) |")
     if a.out:
         a.out.write_text(json.dumps({"command": sys.argv, "runs": runs, "summary": summary}, indent=1) + "\n")
 

@@ -63,7 +63,7 @@ class StreamingRuntime:
         # K per MoE layer: the layers the heads predict route with the heads'
         # K (section.consumer_k); an explicit k must match it.
         spec, heads = load_heads(checkpoint_dir, section, options.k or section.consumer_k) if section.prerouter else (None, {})
-        self.k_of = {l: k for l in layers}
+        self.k_of = {layer: k for layer in layers}
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
         consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
@@ -75,9 +75,9 @@ class StreamingRuntime:
         window = min(options.staged_window, len(consumer_of))
         staged_layers = layers if options.staged else ([] if window else sorted(consumer_of.values()))
         # A layer never routes to more experts than it has: more slots would stay empty.
-        self.staged = {l: StagedSlots(self.store, l, min(options.staged_slots or self.k_of[l], g.num_experts),
+        self.staged = {layer: StagedSlots(self.store, layer, min(options.staged_slots or self.k_of[layer], g.num_experts),
                                       pool_dtype)
-                       for l in staged_layers}
+                       for layer in staged_layers}
         self.staged_window = [StagedSlots(self.store, -1, min(options.staged_slots or spec.k, g.num_experts),
                                           pool_dtype)
                               for _ in range(window)]

@@ -59,7 +59,7 @@ def small_ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 def _moe_blocks(model):
-    return [l.mlp for l in model.layers if hasattr(l.mlp, "switch_mlp")]
+    return [layer.mlp for layer in model.layers if hasattr(layer.mlp, "switch_mlp")]
 
 
 def _run(model, tokens: list[int]) -> mx.array:

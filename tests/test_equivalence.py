@@ -38,7 +38,7 @@ def test_greedy_and_logits_equal_stock(converted, family):
     c = converted(family)
     model, tokenizer = mlx_edge0.load(c.edge0)
     stock = load_stock(c.source)
-    moe = [l.mlp for l in model.layers if isinstance(l.mlp, StreamingMoE)]
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, StreamingMoE)]
     assert len(moe) == len(model.edge0_section.moe_layers) > 0
     ids = tokenizer.encode(PROMPT)
 

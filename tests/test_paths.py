@@ -39,7 +39,7 @@ PATHS = {
 
 
 def _blocks(model):
-    return [l.mlp for l in model.layers if isinstance(l.mlp, StreamingMoE)]
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, StreamingMoE)]
 
 
 # ------------------------------------------------------------------ pure plans

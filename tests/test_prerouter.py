@@ -36,7 +36,7 @@ def with_heads(converted, tmp_path):
 def test_warm_started_head_is_the_next_router_on_the_current_hidden(converted, family):
     model = mlx_edge0.load_model(converted(family).edge0)
     heads = init_heads(model)
-    blocks = {i: l.mlp for i, l in enumerate(model.layers) if isinstance(l.mlp, StreamingMoE)}
+    blocks = {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, StreamingMoE)}
     layers = sorted(blocks)
     assert sorted(heads) == layers[:-1]
     g = model.edge0_section.experts
@@ -224,7 +224,7 @@ def test_k_override_is_a_file_swap(with_heads):
         if isinstance(layer.mlp, StreamingMoE):
             assert layer.mlp.top_k == (2 if i in consumers else 4)
     staged = model.edge0_runtime.staged  # a lower K holds fewer slots
-    assert {l: s.slots for l, s in staged.items()} == {c: 2 for c in consumers}
+    assert {layer: s.slots for layer, s in staged.items()} == {c: 2 for c in consumers}
     model.edge0_runtime.routing_trace = trace = []
     greedy(model, _prompt_ids(path), 20)
     s = model.stats()

@@ -16,7 +16,10 @@ from mlx_edge0.bench.measure import drop_page_cache
 from mlx_edge0.bench.regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
 ALLOCATE = "import sys; blocks = [bytearray(64 << 20) for _ in range(int(sys.argv[1]))]; print('done')"
-READ = "import sys; f = open(sys.argv[1], 'rb', buffering=0); n = 0\nwhile chunk := f.read(1 << 20): n += len(chunk)\nprint(n)"
+READ = (
+    "import sys; f = open(sys.argv[1], 'rb', buffering=0); n = 0\n"
+    "while chunk := f.read(1 << 20): n += len(chunk)\nprint(n)"
+)
 
 
 def skip_unless_available(regime: Regime, path: Path) -> None:

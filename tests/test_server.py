@@ -10,7 +10,6 @@ serving tests."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket

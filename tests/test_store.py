@@ -93,7 +93,7 @@ def _dequantized_reference(x, inds, scores, path, layer):
 def test_exact_path_vs_dequantized_fp32(converted, family):
     path = converted(family).edge0
     model = mlx_edge0.load_model(path)
-    block = next(l.mlp for l in model.layers if isinstance(l.mlp, StreamingMoE))
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, StreamingMoE))
     mx.random.seed(0)
     x = mx.random.normal((2, 5, model.edge0_section.experts.hidden_size))
     inds, scores = block.route(block.router_logits(x))

@@ -56,7 +56,7 @@ def assert_same_params(a, b):
 
 
 def moe_blocks(model):
-    return [(i, l.mlp) for i, l in enumerate(model.layers) if hasattr(l.mlp, "switch_mlp")]
+    return [(i, layer.mlp) for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
 
 
 class Recorder(nn.Module):
@@ -147,7 +147,7 @@ def test_tiny_config_and_model(family):
         assert block.switch_mlp.gate_proj.weight.shape == (16, 64, 128)
         assert block.switch_mlp.down_proj.weight.shape == (16, 128, 64)
     if family in ("qwen3_next", "qwen3_5_moe", "bailing_moe_v3"):
-        assert [l.is_linear for l in model.layers] == [True, True, True, False]
+        assert [layer.is_linear for layer in model.layers] == [True, True, True, False]
     p = params(model)
     assert all(v.dtype == mx.float32 for v in p.values())
     norms = [v for k, v in p.items() if k.endswith("input_layernorm.weight")]
