@@ -49,7 +49,7 @@ def hit_rate(trace, capacity: int, policy_name: str) -> float:
         for k in evicted:
             del resident[k]
             policy.forget(k)
-        free = free[len(placed) - len(evicted):]
+        free = free[len(placed) - len(evicted) :]
         resident.update(placed)
         policy.touch(keys)
         hits += len(keys) - len(placed)
@@ -72,13 +72,22 @@ def main() -> None:
         capacity = int(budget * 2**30) // row
         if capacity < k:
             continue
-        r = {"budget_gib": budget, "slots": capacity,
-             "lru": hit_rate(trace, capacity, "lru"), "lfu": hit_rate(trace, capacity, "lfu")}
+        r = {
+            "budget_gib": budget,
+            "slots": capacity,
+            "lru": hit_rate(trace, capacity, "lru"),
+            "lfu": hit_rate(trace, capacity, "lfu"),
+        }
         rows.append(r)
         print(f"| {budget:g} | {capacity} | {r['lru']:.3f} | {r['lfu']:.3f} |")
     if a.out:
-        a.out.write_text(json.dumps({"checkpoint": str(a.checkpoint), "tokens": a.tokens,
-                                     "trace_steps": len(trace), "results": rows}, indent=2) + "\n")
+        a.out.write_text(
+            json.dumps(
+                {"checkpoint": str(a.checkpoint), "tokens": a.tokens, "trace_steps": len(trace), "results": rows},
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -105,8 +105,12 @@ def measure(mode: str, ckpt: Path, seed: int) -> dict:
     for t in threads:
         t.join()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    return {"mode": mode, "compute_ms_per_token": compute * 1e3, "read_mb": done[0] / 1e6,
-            "kernel_cpu_ms_per_token": (r1.ru_stime - r0.ru_stime) / TOKENS * 1e3}
+    return {
+        "mode": mode,
+        "compute_ms_per_token": compute * 1e3,
+        "read_mb": done[0] / 1e6,
+        "kernel_cpu_ms_per_token": (r1.ru_stime - r0.ru_stime) / TOKENS * 1e3,
+    }
 
 
 def main() -> None:
@@ -124,8 +128,12 @@ def main() -> None:
     for rnd in range(a.rounds):
         turn = rnd % len(MODES)
         for mode in MODES[turn:] + MODES[:turn]:
-            out = subprocess.run([sys.executable, __file__, str(a.checkpoint), "--child", mode, "--seed", str(rnd)],
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, str(a.checkpoint), "--child", mode, "--seed", str(rnd)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             runs.append({**json.loads(out.strip().splitlines()[-1]), "round": rnd})
     print("| reads beside the compute | compute ms/token | reader kernel CPU ms/token |")
     print("|---|---|---|")
@@ -134,8 +142,10 @@ def main() -> None:
         rows = [r for r in runs if r["mode"] == mode]
         summary[mode] = stats_of(rows, ("compute_ms_per_token", "kernel_cpu_ms_per_token"))
         c, k = summary[mode]["compute_ms_per_token"], summary[mode]["kernel_cpu_ms_per_token"]
-        print(f"| {mode} | {c['median']:.0f} ({c['min']:.0f}–{c['max']:.0f}) "
-            f"| {k['median']:.0f} ({k['min']:.0f}–{k['max']:.0f}) |")
+        print(
+            f"| {mode} | {c['median']:.0f} ({c['min']:.0f}–{c['max']:.0f}) "
+            f"| {k['median']:.0f} ({k['min']:.0f}–{k['max']:.0f}) |"
+        )
     if a.out:
         a.out.write_text(json.dumps({"command": sys.argv, "runs": runs, "summary": summary}, indent=1) + "\n")
 

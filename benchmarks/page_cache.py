@@ -21,8 +21,12 @@ from pathlib import Path
 
 
 def cached_bytes(files: list[Path]) -> int:
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return sum(int(x) for x in out.split())
 
 
@@ -53,9 +57,13 @@ def child(path: Path, policy: str, prompt_tokens: int, decode_tokens: int) -> di
         mx.eval(y)
     s_per_token = (time.perf_counter() - start) / decode_tokens
     stats = model.stats()
-    return {"policy": policy, "cached_after_prefill": after_prefill,
-            "expert_bytes": sum(f.stat().st_size for f in files), "decode_s_per_token": s_per_token,
-            "exposed_wait_ms_per_token": stats["exposed_wait_ms"] / decode_tokens}
+    return {
+        "policy": policy,
+        "cached_after_prefill": after_prefill,
+        "expert_bytes": sum(f.stat().st_size for f in files),
+        "decode_s_per_token": s_per_token,
+        "exposed_wait_ms_per_token": stats["exposed_wait_ms"] / decode_tokens,
+    }
 
 
 def main() -> None:
@@ -72,11 +80,23 @@ def main() -> None:
         return
     runs = []
     for rnd in range(a.rounds):
-        for policy in (("drop-prefill", "keep") if rnd % 2 == 0 else ("keep", "drop-prefill")):
-            out = subprocess.run([sys.executable, __file__, str(a.checkpoint), "--child", policy,
-                                  "--prompt-tokens", str(a.prompt_tokens),
-                                  "--decode-tokens", str(a.decode_tokens)],
-                                 capture_output=True, text=True, check=True).stdout
+        for policy in ("drop-prefill", "keep") if rnd % 2 == 0 else ("keep", "drop-prefill"):
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    str(a.checkpoint),
+                    "--child",
+                    policy,
+                    "--prompt-tokens",
+                    str(a.prompt_tokens),
+                    "--decode-tokens",
+                    str(a.decode_tokens),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             runs.append(json.loads(out.splitlines()[-1]))
             print(runs[-1], file=sys.stderr)
     print("| policy | expert bytes in page cache after prefill | decode s/token | exposed wait ms/token |")
@@ -84,13 +104,17 @@ def main() -> None:
     summary = []
     for policy in ("drop-prefill", "keep"):
         rs = [r for r in runs if r["policy"] == policy]
-        row = {k: statistics.median(r[k] for r in rs)
-               for k in ("cached_after_prefill", "decode_s_per_token", "exposed_wait_ms_per_token")}
+        row = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("cached_after_prefill", "decode_s_per_token", "exposed_wait_ms_per_token")
+        }
         row["policy"] = policy
         summary.append(row)
-        print(f"| {policy} | {row['cached_after_prefill'] / 2**30:.2f} GiB of "
-              f"{rs[0]['expert_bytes'] / 2**30:.2f} | {row['decode_s_per_token']:.3f} "
-              f"| {row['exposed_wait_ms_per_token']:.1f} |")
+        print(
+            f"| {policy} | {row['cached_after_prefill'] / 2**30:.2f} GiB of "
+            f"{rs[0]['expert_bytes'] / 2**30:.2f} | {row['decode_s_per_token']:.3f} "
+            f"| {row['exposed_wait_ms_per_token']:.1f} |"
+        )
     if a.out:
         a.out.write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
 

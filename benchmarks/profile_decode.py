@@ -54,8 +54,14 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(14)
     print(f"s/token {per_token:.3f}")
-    print("counters per token:", {k: round(v / a.tokens, 2) for k, v in model.stats().items()
-                                   if isinstance(v, (int, float)) and k != "peak_memory"})
+    print(
+        "counters per token:",
+        {
+            k: round(v / a.tokens, 2)
+            for k, v in model.stats().items()
+            if isinstance(v, (int, float)) and k != "peak_memory"
+        },
+    )
     print(out.getvalue())
 
 

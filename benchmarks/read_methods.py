@@ -67,7 +67,7 @@ def main() -> None:
     }
     times = {(arm, cache): [] for arm in arms for cache in ("cold", "warm")}
     for trial in range(a.trials):
-        for i, arm in enumerate(list(arms)[trial % 3:] + list(arms)[: trial % 3]):
+        for i, arm in enumerate(list(arms)[trial % 3 :] + list(arms)[: trial % 3]):
             layer = section.moe_layers[(trial * 3 + i) % len(section.moe_layers)]
             ids = sorted(rng.choice(section.experts.num_experts, a.k, replace=False).tolist())
             path = a.checkpoint / expert_file(layer)
@@ -83,9 +83,19 @@ def main() -> None:
         rows.append({"method": arm, "cold_ms": cold, "warm_ms": warm})
         print(f"| {arm} | {cold:.1f} | {warm:.1f} |")
     if a.out:
-        a.out.write_text(json.dumps({"k": a.k, "trials": a.trials, "bundle_bytes": section.experts.bundle_bytes,
-                                     "results": rows, "raw_ms": {f"{k[0]}/{k[1]}": v for k, v in times.items()}},
-                                    indent=2) + "\n")
+        a.out.write_text(
+            json.dumps(
+                {
+                    "k": a.k,
+                    "trials": a.trials,
+                    "bundle_bytes": section.experts.bundle_bytes,
+                    "results": rows,
+                    "raw_ms": {f"{k[0]}/{k[1]}": v for k, v in times.items()},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,18 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-PROMPTS = ["def main():", "import os\nimport sys\n", "class Parser:\n    def", "for i in range(",
-           "with open(path) as f:", "try:\n    x = ", "return sorted(", "@dataclass\nclass",
-           "if __name__ ==", "async def fetch("]
+PROMPTS = [
+    "def main():",
+    "import os\nimport sys\n",
+    "class Parser:\n    def",
+    "for i in range(",
+    "with open(path) as f:",
+    "try:\n    x = ",
+    "return sorted(",
+    "@dataclass\nclass",
+    "if __name__ ==",
+    "async def fetch(",
+]
 
 
 def rss() -> dict:
@@ -44,8 +53,14 @@ def rss() -> dict:
 def snapshot(label: str, **extra) -> dict:
     import mlx.core as mx
 
-    return {"at": label, "mlx_active": mx.get_active_memory(), "mlx_peak": mx.get_peak_memory(),
-            "mlx_cache": mx.get_cache_memory(), **rss(), **extra}
+    return {
+        "at": label,
+        "mlx_active": mx.get_active_memory(),
+        "mlx_peak": mx.get_peak_memory(),
+        "mlx_cache": mx.get_cache_memory(),
+        **rss(),
+        **extra,
+    }
 
 
 def tiny_checkpoint(root: Path) -> Path:
@@ -113,8 +128,7 @@ def control_generation(ckpt: Path, tokens: int) -> list[dict]:
 
 
 def complete(client, prompt: str, max_tokens: int, **kw) -> int:
-    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens,
-                                  temperature=0.0, **kw)
+    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens, temperature=0.0, **kw)
     return r.usage.completion_tokens
 
 
@@ -141,9 +155,15 @@ def run(args, command: str) -> dict:
     print(f"long generation: {args.tokens} tokens", file=sys.stderr)
     mx.reset_peak_memory()
     start = snapshot("long: start")
-    stream = client.completions.create(model="default_model", prompt=PROMPTS[1], max_tokens=args.tokens,
-                                       temperature=0.0, stream=True, logit_bias=no_eos,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="default_model",
+        prompt=PROMPTS[1],
+        max_tokens=args.tokens,
+        temperature=0.0,
+        stream=True,
+        logit_bias=no_eos,
+        stream_options={"include_usage": True},
+    )
     chunks, long_samples, t0, generated = 0, [start], time.perf_counter(), 0
     for chunk in stream:
         if chunk.usage is not None:
@@ -197,32 +217,50 @@ def run(args, command: str) -> dict:
         "options": Options().to_dict(),
         "requests_served": requests,
         "tokens_generated": tokens_total,
-        "long_generation": {"tokens": generated, "seconds": round(long_s, 2),
-                            "mlx_active_growth": long_samples[-1]["mlx_active"] - start["mlx_active"],
-                            "rss_growth": long_samples[-1]["rss"] - start["rss"]},
-        "sequential": {"requests": args.requests, "tokens_each": args.request_tokens, "seconds": round(seq_s, 2),
-                       "mlx_active_growth_10_to_last": seq[-1]["mlx_active"] - first_seq["mlx_active"],
-                       "rss_growth_10_to_last": seq[-1]["rss"] - first_seq["rss"]},
-        "control": {"tokens": args.tokens, "from_token": control[0]["tokens"],
-                    "kv_growth": control[-1]["kv"] - control[0]["kv"],
-                    "mlx_active_growth": control[-1]["mlx_active"] - control[0]["mlx_active"],
-                    "mlx_active_minus_kv_growth": (control[-1]["mlx_active"] - control[-1]["kv"])
-                    - (control[0]["mlx_active"] - control[0]["kv"]),
-                    "rss_growth": control[-1]["rss"] - control[0]["rss"]},
-        "concurrent": {"clients": args.concurrency, "rounds": args.rounds, "tokens": conc_tokens,
-                       "seconds": round(conc_s, 2)},
+        "long_generation": {
+            "tokens": generated,
+            "seconds": round(long_s, 2),
+            "mlx_active_growth": long_samples[-1]["mlx_active"] - start["mlx_active"],
+            "rss_growth": long_samples[-1]["rss"] - start["rss"],
+        },
+        "sequential": {
+            "requests": args.requests,
+            "tokens_each": args.request_tokens,
+            "seconds": round(seq_s, 2),
+            "mlx_active_growth_10_to_last": seq[-1]["mlx_active"] - first_seq["mlx_active"],
+            "rss_growth_10_to_last": seq[-1]["rss"] - first_seq["rss"],
+        },
+        "control": {
+            "tokens": args.tokens,
+            "from_token": control[0]["tokens"],
+            "kv_growth": control[-1]["kv"] - control[0]["kv"],
+            "mlx_active_growth": control[-1]["mlx_active"] - control[0]["mlx_active"],
+            "mlx_active_minus_kv_growth": (control[-1]["mlx_active"] - control[-1]["kv"])
+            - (control[0]["mlx_active"] - control[0]["kv"]),
+            "rss_growth": control[-1]["rss"] - control[0]["rss"],
+        },
+        "concurrent": {
+            "clients": args.concurrency,
+            "rounds": args.rounds,
+            "tokens": conc_tokens,
+            "seconds": round(conc_s, 2),
+        },
         "samples": samples,
     }
 
 
 def table(result: dict) -> str:
     mib = 1 << 20
-    rows = ["| at | MLX active MiB | MLX peak MiB | MLX cache MiB | KV MiB | RSS MiB | RSS peak MiB |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| at | MLX active MiB | MLX peak MiB | MLX cache MiB | KV MiB | RSS MiB | RSS peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in result["samples"]:
         kv = f"{s['kv'] / mib:.2f}" if "kv" in s else ""
-        rows.append(f"| {s['at']} | {s['mlx_active'] / mib:.2f} | {s['mlx_peak'] / mib:.2f} | "
-                    f"{s['mlx_cache'] / mib:.2f} | {kv} | {s['rss'] / mib:.1f} | {s['rss_peak'] / mib:.1f} |")
+        rows.append(
+            f"| {s['at']} | {s['mlx_active'] / mib:.2f} | {s['mlx_peak'] / mib:.2f} | "
+            f"{s['mlx_cache'] / mib:.2f} | {kv} | {s['rss'] / mib:.1f} | {s['rss_peak'] / mib:.1f} |"
+        )
     lg, sq, cc, ct = result["long_generation"], result["sequential"], result["concurrent"], result["control"]
     rows += [
         "",

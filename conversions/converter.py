@@ -244,8 +244,7 @@ def _atomic_dir(out: Path):
 
 def _moe_switch_paths(model: nn.Module, stock_block: type) -> dict[int, str]:
     """MoE layer index -> parameter path of its stacked experts (``...switch_mlp``)."""
-    wanted = {id(layer.mlp.switch_mlp): i for i, layer in enumerate(model.layers)
-              if isinstance(layer.mlp, stock_block)}
+    wanted = {id(layer.mlp.switch_mlp): i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, stock_block)}
     paths = {}
     for path, module in model.named_modules():
         if id(module) in wanted:
@@ -296,8 +295,9 @@ class _Source:
         when unknown, or for ``layer=None``), for messages."""
         files = sorted(set(self.origin.values()))
         if layer is not None:
-            mine = sorted({f for k, f in self.origin.items()
-                           if f".layers.{layer}." in k and ("expert" in k or "switch_mlp" in k)})
+            mine = sorted(
+                {f for k, f in self.origin.items() if f".layers.{layer}." in k and ("expert" in k or "switch_mlp" in k)}
+            )
             files = mine or files
         return ", ".join(str(f) for f in files)
 
@@ -350,9 +350,7 @@ def convert(src: str | Path, out: str | Path, options: ConvertOptions = ConvertO
     try:
         report = _write_checkpoint(source, out_dir, options)
     except OSError as e:
-        raise ConversionError(
-            f"{out_dir}: conversion failed while writing ({e}); nothing was left behind"
-        ) from e
+        raise ConversionError(f"{out_dir}: conversion failed while writing ({e}); nothing was left behind") from e
     return replace(report, seconds=time.perf_counter() - t0)
 
 
@@ -374,8 +372,7 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
     with _atomic_dir(out_dir) as tmp:
         (tmp / EXPERT_DIR).mkdir()
         geometry = None
-        with _progress(list(source.switch_paths.items()), options, "experts",
-                       lambda it: f"layer {it[0]}") as items:
+        with _progress(list(source.switch_paths.items()), options, "experts", lambda it: f"layer {it[0]}") as items:
             for layer, prefix in items:
                 stacked = {}
                 for proj in PROJECTIONS:
@@ -420,8 +417,9 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
     )
 
 
-def _progress(items: list, options: ConvertOptions, label: str,
-              describe: Callable[[Any], str]) -> ContextManager[Iterable]:
+def _progress(
+    items: list, options: ConvertOptions, label: str, describe: Callable[[Any], str]
+) -> ContextManager[Iterable]:
     """``items`` as they are written, shown by ``options.progress_bar`` (or a
     counter line); ``describe(item)`` names the one being written."""
     if not options.show_progress:
@@ -435,8 +433,7 @@ def _counter_line(items: list, label: str, describe: Callable[[Any], str]) -> It
 
     def counted() -> Iterator:
         for i, item in enumerate(items, 1):
-            print(f"\redge0 convert: {label} {i}/{len(items)} ({describe(item)})", end="", file=sys.stderr,
-                  flush=True)
+            print(f"\redge0 convert: {label} {i}/{len(items)} ({describe(item)})", end="", file=sys.stderr, flush=True)
             yield item
         print(file=sys.stderr)
 
@@ -494,8 +491,9 @@ def _geometry(stacked: dict, options: ConvertOptions) -> ExpertGeometry:
     )
 
 
-def _write_layer(path: Path, stacked: dict, geometry: ExpertGeometry, layer: int, src: Path,
-                 generation: str) -> Written:
+def _write_layer(
+    path: Path, stacked: dict, geometry: ExpertGeometry, layer: int, src: Path, generation: str
+) -> Written:
     """Write one layer's experts, each bundle contiguous and aligned."""
     pad = geometry.pad_bytes(ALIGNMENT)
     zeros = bytes(pad)
@@ -508,8 +506,13 @@ def _write_layer(path: Path, stacked: dict, geometry: ExpertGeometry, layer: int
                     f"inconsistent with the other MoE layers ({dtype}{[geometry.num_experts, *shape]})"
                 )
     entries = geometry.file_entries(ALIGNMENT)
-    metadata = {"format": "edge0-experts", "layer": str(layer), "bits": str(geometry.bits),
-                "group_size": str(geometry.group_size), GENERATION_KEY: generation}
+    metadata = {
+        "format": "edge0-experts",
+        "layer": str(layer),
+        "bits": str(geometry.bits),
+        "group_size": str(geometry.group_size),
+        GENERATION_KEY: generation,
+    }
     with TensorWriter(path, entries, metadata, alignment=ALIGNMENT) as writer:
         for e in range(geometry.num_experts):
             for proj in PROJECTIONS:
@@ -526,9 +529,7 @@ def _resident_weights(source: _Source, options: ConvertOptions):
     for i in source.switch_paths:
         delattr(model.layers[i].mlp, "switch_mlp")
     if config.get("quantization"):
-        quantization = {
-            k: v for k, v in config["quantization"].items() if ".switch_mlp" not in k
-        }
+        quantization = {k: v for k, v in config["quantization"].items() if ".switch_mlp" not in k}
         return weights, quantization
     model.load_weights(list(weights.items()), strict=True)
     # mlx-lm prints "[INFO] Quantized model with N bits per weight" (of the resident part

@@ -41,12 +41,8 @@ ARCHITECTURES: dict[str, SourceArchitecture] = {
     for a in (
         SourceArchitecture("qwen3_moe", (STACKED, PER_EXPERT), "Qwen3-MoE (30B-A3B, 235B-A22B)"),
         SourceArchitecture("qwen3_next", (STACKED, PER_EXPERT), "Qwen3-Next (80B-A3B)"),
-        SourceArchitecture(
-            "qwen3_5_moe", (STACKED, FUSED), "Qwen3.5/3.6-MoE (35B-A3B), also text-only configs"
-        ),
-        SourceArchitecture(
-            "bailing_moe", (STACKED, PER_EXPERT, PER_EXPERT_QUANTIZED), "Ling / Ring 2.0 (bailing_moe)"
-        ),
+        SourceArchitecture("qwen3_5_moe", (STACKED, FUSED), "Qwen3.5/3.6-MoE (35B-A3B), also text-only configs"),
+        SourceArchitecture("bailing_moe", (STACKED, PER_EXPERT, PER_EXPERT_QUANTIZED), "Ling / Ring 2.0 (bailing_moe)"),
         SourceArchitecture("bailing_moe_v3", (STACKED, PER_EXPERT), "Ling 3.0 (bailing_moe_v3 / bailing_hybrid)"),
     )
 }

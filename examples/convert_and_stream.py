@@ -35,8 +35,15 @@ def main(workdir: Path) -> None:
     text = generate(model, tokenizer, prompt="def fibonacci(n):", max_tokens=24)
     print(repr(text))  # random weights: the text is meaningless, the path is real
     stats = model.stats()
-    print(json.dumps({k: stats[k] for k in ("expert_loads", "bytes_read", "hot_hits", "hot_misses",
-                                            "exposed_wait_ms", "resident_bytes")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: stats[k]
+                for k in ("expert_loads", "bytes_read", "hot_hits", "hot_misses", "exposed_wait_ms", "resident_bytes")
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

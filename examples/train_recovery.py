@@ -37,27 +37,47 @@ OUTPUTS = (PREROUTER_FILE, ADAPTERS_FILE, ADAPTER_CONFIG_FILE)
 def main(workdir: Path, install: bool) -> None:
     checkpoint, teacher = workdir / EDGE0_DIR, workdir / TEACHER_DIR
     runs = workdir / "recovery"
-    train_heads(PhaseOptions(checkpoint, runs / "heads", steps=200, learning_rate=3e-3, batch_size=8,
-                             checkpoint_every=50))
-    train_sft(PhaseOptions(checkpoint, runs / "sft", steps=200, learning_rate=2e-3, batch_size=4,
-                           checkpoint_every=50), teacher, GenerationOptions(sequences=256))
-    train_distill(PhaseOptions(checkpoint, runs / "distill", steps=100, learning_rate=2e-3, batch_size=4,
-                               checkpoint_every=50, warmup_steps=5), teacher, GenerationOptions(sequences=26))
-    result = evaluate(checkpoint, teacher, {"SFT LoRA": runs / "sft", "distill LoRA": runs / "distill"},
-                      EvalOptions(seq_len=128, windows=32))
+    train_heads(
+        PhaseOptions(checkpoint, runs / "heads", steps=200, learning_rate=3e-3, batch_size=8, checkpoint_every=50)
+    )
+    train_sft(
+        PhaseOptions(checkpoint, runs / "sft", steps=200, learning_rate=2e-3, batch_size=4, checkpoint_every=50),
+        teacher,
+        GenerationOptions(sequences=256),
+    )
+    train_distill(
+        PhaseOptions(
+            checkpoint,
+            runs / "distill",
+            steps=100,
+            learning_rate=2e-3,
+            batch_size=4,
+            checkpoint_every=50,
+            warmup_steps=5,
+        ),
+        teacher,
+        GenerationOptions(sequences=26),
+    )
+    result = evaluate(
+        checkpoint,
+        teacher,
+        {"SFT LoRA": runs / "sft", "distill LoRA": runs / "distill"},
+        EvalOptions(seq_len=128, windows=32),
+    )
     (workdir / "recovery.json").write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result))
     if install:
         target = DEFAULT_ROOT / EDGE0_DIR
         same = (target / "model.safetensors").read_bytes() == (checkpoint / "model.safetensors").read_bytes()
         if not same:
-            raise SystemExit(f"{target} is not the checkpoint these files were trained on; install "
-                             f"it first (examples/train_tiny_moe.py {workdir} --install-default)")
+            raise SystemExit(
+                f"{target} is not the checkpoint these files were trained on; install "
+                f"it first (examples/train_tiny_moe.py {workdir} --install-default)"
+            )
         for name in OUTPUTS:
             shutil.copy(checkpoint / name, target / name)
         model = mlx_edge0.load_model(target)  # validates heads and adapters against it
-        print(f"installed {', '.join(OUTPUTS)} into {target} ({len(model.edge0_adapters.config.targets)} "
-              f"LoRA targets)")
+        print(f"installed {', '.join(OUTPUTS)} into {target} ({len(model.edge0_adapters.config.targets)} LoRA targets)")
 
 
 if __name__ == "__main__":

@@ -35,13 +35,17 @@ PROMPT = "def fibonacci(n):"
 def main(workdir: Path, steps: int, install: bool) -> None:
     options = BaseOptions(out_dir=workdir, steps=steps, warmup_steps=min(BaseOptions.warmup_steps, steps))
     report = train_base(options)
-    print(f"teacher: {report.teacher}, final train loss {report.final_train_loss:.3f}, "
-          f"{report.tokens_per_s:.0f} tok/s, {report.training_seconds / 60:.1f} min of training steps")
+    print(
+        f"teacher: {report.teacher}, final train loss {report.final_train_loss:.3f}, "
+        f"{report.tokens_per_s:.0f} tok/s, {report.training_seconds / 60:.1f} min of training steps"
+    )
 
     edge0_dir = workdir / EDGE0_DIR
     converted = convert(report.teacher, edge0_dir, ConvertOptions(force=True))
-    print(f"converted: {converted.moe_layers} MoE layers, experts {converted.expert_bytes} bytes, "
-          f"resident {converted.resident_bytes} bytes")
+    print(
+        f"converted: {converted.moe_layers} MoE layers, experts {converted.expert_bytes} bytes, "
+        f"resident {converted.resident_bytes} bytes"
+    )
     model = mlx_edge0.load_model(edge0_dir, compute_dtype="float32", cache_gib=0, prerouter=False)
     section = model.edge0_section
     spec = PrerouterSpec.default(section.moe_layers, section.num_experts_per_tok)
@@ -57,16 +61,14 @@ def main(workdir: Path, steps: int, install: bool) -> None:
     began = time.perf_counter()
     rows["fp teacher (bf16 weights)"] = held_out_perplexity(load_teacher(report.teacher), windows)
     rows["int4 edge0, exact routing"] = held_out_perplexity(model, windows)
-    print(f"\nheld-out perplexity ({len(windows)} windows of {options.seq_len}, "
-          f"{time.perf_counter() - began:.0f} s)")
+    print(f"\nheld-out perplexity ({len(windows)} windows of {options.seq_len}, {time.perf_counter() - began:.0f} s)")
     for name, r in rows.items():
         print(f"  {name:28s} {r['perplexity']:8.2f}  (loss {r['loss']:.4f}, {r['tokens']} tokens)")
 
     served, served_tokenizer = mlx_edge0.load(edge0_dir)
     sample = generate(served, served_tokenizer, prompt=PROMPT, max_tokens=64)
     print(f"\nsample (edge0, greedy):\n{PROMPT}{sample}")
-    sizes = {name: _dir_bytes(path) for name, path in
-             (("teacher", report.teacher), ("edge0", edge0_dir))}
+    sizes = {name: _dir_bytes(path) for name, path in (("teacher", report.teacher), ("edge0", edge0_dir))}
     print(f"\nsizes: {json.dumps(sizes)}")
     result = {"base": report.as_dict(), "held_out": rows, "sizes_bytes": sizes, "sample": sample}
     (workdir / "quality.json").write_text(json.dumps(result, indent=2) + "\n")

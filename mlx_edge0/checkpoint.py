@@ -91,11 +91,7 @@ class ExpertGeometry:
 
     def parts(self) -> list[tuple[str, str, str, tuple[int, int]]]:
         """(projection, part, dtype, shape) in on-disk order within a bundle."""
-        return [
-            (proj, part, *self.part_spec(proj, part))
-            for proj in PROJECTIONS
-            for part in PARTS
-        ]
+        return [(proj, part, *self.part_spec(proj, part)) for proj in PROJECTIONS for part in PARTS]
 
     @property
     def bundle_bytes(self) -> int:

@@ -32,8 +32,9 @@ def _fail(message: str) -> None:
 
 def _progress_bar(items: list, label: str, describe):
     """``edge0 convert``'s progress: click's bar over the layers (or tensors) written."""
-    return click.progressbar(items, label=f"edge0 convert: {label}",
-                             item_show_func=lambda it: describe(it) if it is not None else "")
+    return click.progressbar(
+        items, label=f"edge0 convert: {label}", item_show_func=lambda it: describe(it) if it is not None else ""
+    )
 
 
 @click.group()
@@ -61,8 +62,9 @@ def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> Non
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            report = run_convert(src, out, ConvertOptions(bits=bits, group_size=group_size, force=force,
-                                                          progress_bar=_progress_bar))
+            report = run_convert(
+                src, out, ConvertOptions(bits=bits, group_size=group_size, force=force, progress_bar=_progress_bar)
+            )
         except (ConversionError, ValueError, OSError) as e:
             _fail(str(e))
         finally:
@@ -79,26 +81,46 @@ def convert(src: str, out: Path, bits: int, group_size: int, force: bool) -> Non
 @model_option
 @click.option("--prompt", "-p", default="def fibonacci(n):", show_default=True)
 @click.option("--max-tokens", "-m", default=64, show_default=True)
-@click.option("--temp", type=float, default=None,
-              help="Sampling temperature, 0 = greedy.  [default: the checkpoint's generation_config.json, else 0]")
+@click.option(
+    "--temp",
+    type=float,
+    default=None,
+    help="Sampling temperature, 0 = greedy.  [default: the checkpoint's generation_config.json, else 0]",
+)
 @click.option("--top-p", type=float, default=None, help="[default: generation_config.json, else 0 = off]")
 @click.option("--top-k", type=int, default=None, help="[default: generation_config.json, else 0 = off]")
 @click.option("--min-p", type=float, default=None, help="[default: generation_config.json, else 0 = off]")
-@click.option("--repetition-penalty", type=float, default=None,
-              help="Penalty on tokens seen in the last --repetition-context-size tokens.  "
-                   "[default: generation_config.json, else 1 = off]")
-@click.option("--repetition-context-size", type=int, default=None,
-              help="[default: generation_config.json, else 20]")
+@click.option(
+    "--repetition-penalty",
+    type=float,
+    default=None,
+    help="Penalty on tokens seen in the last --repetition-context-size tokens.  "
+    "[default: generation_config.json, else 1 = off]",
+)
+@click.option("--repetition-context-size", type=int, default=None, help="[default: generation_config.json, else 20]")
 @click.option("--seed", default=0, show_default=True, help="Random seed for sampling (the same seed, the same text).")
-@click.option("--chat/--no-chat", default=False, show_default=True,
-              help="Apply the tokenizer's chat template to the prompt.")
+@click.option(
+    "--chat/--no-chat", default=False, show_default=True, help="Apply the tokenizer's chat template to the prompt."
+)
 @option_flags
 @click.option("--stats", is_flag=True, help="Print telemetry: reads, hits, waits, resident bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the telemetry as JSON (implies --stats).")
-def generate(model_path: Optional[Path], prompt: str, max_tokens: int, seed: int, chat: bool,
-             stats: bool, as_json: bool, temp: Optional[float], top_p: Optional[float],
-             top_k: Optional[int], min_p: Optional[float], repetition_penalty: Optional[float],
-             repetition_context_size: Optional[int], **option_fields) -> None:
+def generate(
+    model_path: Optional[Path],
+    prompt: str,
+    max_tokens: int,
+    seed: int,
+    chat: bool,
+    stats: bool,
+    as_json: bool,
+    temp: Optional[float],
+    top_p: Optional[float],
+    top_k: Optional[int],
+    min_p: Optional[float],
+    repetition_penalty: Optional[float],
+    repetition_context_size: Optional[int],
+    **option_fields,
+) -> None:
     """Generate text with an edge0 checkpoint (stock mlx-lm generation loop).
 
     Sampling starts from the checkpoint's generation_config.json; the flags override it."""
@@ -123,9 +145,14 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, seed: int
             model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
         model, tokenizer = load(model_path, **options.to_dict())
         shipped, source = read_sampling(model_path)
-        sampling = shipped.override(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                    repetition_penalty=repetition_penalty,
-                                    repetition_context_size=repetition_context_size)
+        sampling = shipped.override(
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            repetition_context_size=repetition_context_size,
+        )
     except (CheckpointError, TensorFileError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # e.g. a tokenizer file that cannot be read
@@ -140,9 +167,14 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, seed: int
         )
     model.reset_stats()
     response = None
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                    sampler=sampling.sampler(),
-                                    logits_processors=sampling.logits_processors()):
+    for response in stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        sampler=sampling.sampler(),
+        logits_processors=sampling.logits_processors(),
+    ):
         click.echo(response.text, nl=False)
     click.echo()
     if response is not None:
@@ -161,9 +193,12 @@ def generate(model_path: Optional[Path], prompt: str, max_tokens: int, seed: int
 @main.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--verify", is_flag=True,
-              help="Also re-hash every file against the checksums convert recorded and check every "
-                   "float tensor for NaN/inf (reads the whole checkpoint); exit status 1 on any problem.")
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Also re-hash every file against the checksums convert recorded and check every "
+    "float tensor for NaN/inf (reads the whole checkpoint); exit status 1 on any problem.",
+)
 def info(checkpoint: Path, as_json: bool, verify: bool) -> None:
     """Describe an edge0 checkpoint: layout, sizes, layers, heads and adapters."""
     from .checkpoint import CheckpointError
@@ -214,8 +249,9 @@ def heads() -> None:
 @heads.command("init")
 @click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--seed", default=0, show_default=True, help="Seed for fc1's initialisation.")
-@click.option("--k", "k", default=0, show_default=True,
-              help="K the consumer layers will route with (0 = the checkpoint's K).")
+@click.option(
+    "--k", "k", default=0, show_default=True, help="K the consumer layers will route with (0 = the checkpoint's K)."
+)
 def heads_init(checkpoint: Path, seed: int, k: int) -> None:
     """Write warm-started prerouter heads (each = the next layer's router applied
     to the current hidden) into CHECKPOINT."""
@@ -235,27 +271,48 @@ def heads_init(checkpoint: Path, seed: int, k: int) -> None:
     except ValueError as e:
         _fail(str(e))
     path = save_heads(checkpoint, heads, spec)
-    click.echo(f"wrote {path}: {len(spec.owners)} heads, owners {list(spec.owners)} -> "
-               f"consumers {list(spec.consumers)}, K={spec.k}")
+    click.echo(
+        f"wrote {path}: {len(spec.owners)} heads, owners {list(spec.owners)} -> "
+        f"consumers {list(spec.consumers)}, K={spec.k}"
+    )
 
 
 @main.command("eval")
 @click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--teacher", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="The fp teacher (mlx-lm checkpoint dir, same tokenizer).")
-@click.option("--sft", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="Dir with Phase-2 adapters (e.g. the `train sft --out` dir).")
-@click.option("--distill", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="Dir with Phase-3 adapters (e.g. the `train distill --out` dir).")
+@click.option(
+    "--teacher",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="The fp teacher (mlx-lm checkpoint dir, same tokenizer).",
+)
+@click.option(
+    "--sft",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="Dir with Phase-2 adapters (e.g. the `train sft --out` dir).",
+)
+@click.option(
+    "--distill",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="Dir with Phase-3 adapters (e.g. the `train distill --out` dir).",
+)
 @click.option("--seq-len", default=128, show_default=True)
 @click.option("--windows", default=32, show_default=True, help="Held-out windows scored.")
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--max-files", default=0, show_default=True, help="Held-out files read (0 = all).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
-              help="Also write the result here.")
-def eval_command(checkpoint: Path, teacher: Optional[Path], sft: Optional[Path], distill: Optional[Path],
-                 seq_len: int, windows: int, batch_size: int, max_files: int,
-                 json_path: Optional[Path]) -> None:
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the result here.")
+def eval_command(
+    checkpoint: Path,
+    teacher: Optional[Path],
+    sft: Optional[Path],
+    distill: Optional[Path],
+    seq_len: int,
+    windows: int,
+    batch_size: int,
+    max_files: int,
+    json_path: Optional[Path],
+) -> None:
     """Held-out perplexity: fp teacher, int4 exact, warm-start and trained heads,
     each LoRA; head recall vs the free baseline; merge-and-requantize survival."""
     from .checkpoint import CheckpointError
@@ -264,8 +321,13 @@ def eval_command(checkpoint: Path, teacher: Optional[Path], sft: Optional[Path],
 
     adapters = {name: d for name, d in (("SFT LoRA", sft), ("distill LoRA", distill)) if d is not None}
     try:
-        result = evaluate(checkpoint, teacher, adapters, EvalOptions(seq_len, windows, batch_size, max_files),
-                          log=lambda m: click.echo(m, err=True))
+        result = evaluate(
+            checkpoint,
+            teacher,
+            adapters,
+            EvalOptions(seq_len, windows, batch_size, max_files),
+            log=lambda m: click.echo(m, err=True),
+        )
     except (CheckpointError, TensorFileError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if json_path is not None:

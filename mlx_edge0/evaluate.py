@@ -91,19 +91,32 @@ def merge_survival(model: nn.Module, forward, windows: mx.array, batch_size: int
 
 def _dense(linear: nn.Module) -> mx.array:
     if isinstance(linear, nn.QuantizedLinear):
-        return mx.dequantize(linear.weight, linear.scales, linear.biases, group_size=linear.group_size,
-                             bits=linear.bits, mode=linear.mode).astype(mx.float32)
+        return mx.dequantize(
+            linear.weight,
+            linear.scales,
+            linear.biases,
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=linear.mode,
+        ).astype(mx.float32)
     return linear.weight.astype(mx.float32)
 
 
 def _logits(forward, windows: mx.array, batch_size: int) -> mx.array:
-    out = [forward(windows[i:i + batch_size, :-1]) for i in range(0, windows.shape[0], batch_size)]
+    out = [forward(windows[i : i + batch_size, :-1]) for i in range(0, windows.shape[0], batch_size)]
     mx.eval(out)
     return mx.concatenate(out)
 
 
-def evaluate(checkpoint: Path, teacher: Optional[Path] = None, adapters: Optional[dict[str, Path]] = None,
-             options: EvalOptions = EvalOptions(), log=print, *, show_progress: bool = True) -> dict:
+def evaluate(
+    checkpoint: Path,
+    teacher: Optional[Path] = None,
+    adapters: Optional[dict[str, Path]] = None,
+    options: EvalOptions = EvalOptions(),
+    log=print,
+    *,
+    show_progress: bool = True,
+) -> dict:
     """The table (see the module docstring) as a JSON-able dict.
 
     ``adapters``: row label -> adapter dir (e.g. {"SFT LoRA": run2, "distill LoRA": run3});
@@ -150,17 +163,27 @@ def evaluate(checkpoint: Path, teacher: Optional[Path] = None, adapters: Optiona
         lora.detach(model)
     consumer_of = dict(zip(spec.owners, spec.consumers))
     batches = range(0, windows.shape[0], options.batch_size)
-    features = [head_features(exact, windows[i:i + options.batch_size, :-1], consumer_of)
-                for i in track(batches, "eval: head recall", unit="batch", show=show_progress)]
+    features = [
+        head_features(exact, windows[i : i + options.batch_size, :-1], consumer_of)
+        for i in track(batches, "eval: head recall", unit="batch", show=show_progress)
+    ]
     routes = {o: model.layers[c].mlp.route for o, c in consumer_of.items()}
     recall = {"warm_start": evaluate_heads(warm, features, routes)}
     if served.heads:
         recall["checkpoint"] = evaluate_heads(served.heads, features, routes)
     return {
-        "checkpoint": str(checkpoint), "teacher": str(teacher) if teacher else None,
-        "held_out": {"windows": int(windows.shape[0]), "seq_len": options.seq_len,
-                     "tokens": int(windows[:, 1:].size), "max_files": options.max_files},
-        "rows": rows, "gap_closed": gap_closed(rows), "head_recall": recall, "merge_survival": merge,
+        "checkpoint": str(checkpoint),
+        "teacher": str(teacher) if teacher else None,
+        "held_out": {
+            "windows": int(windows.shape[0]),
+            "seq_len": options.seq_len,
+            "tokens": int(windows[:, 1:].size),
+            "max_files": options.max_files,
+        },
+        "rows": rows,
+        "gap_closed": gap_closed(rows),
+        "head_recall": recall,
+        "merge_survival": merge,
     }
 
 

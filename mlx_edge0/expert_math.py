@@ -51,8 +51,11 @@ class ExpertWeights:
             return Projection(p.weight, p.scales.astype(dtype), p.biases.astype(dtype))
 
         return ExpertWeights(
-            cast(self.gate_proj), cast(self.up_proj), cast(self.down_proj),
-            self.group_size, self.bits,
+            cast(self.gate_proj),
+            cast(self.up_proj),
+            cast(self.down_proj),
+            self.group_size,
+            self.bits,
         )
 
 

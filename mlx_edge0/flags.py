@@ -19,7 +19,10 @@ import click
 from .options import Options
 
 model_option = click.option(
-    "--model", "model_path", type=click.Path(path_type=Path), default=None,
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
     help="Edge0 checkpoint dir (default: the embedded default model).",
 )
 

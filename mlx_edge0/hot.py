@@ -69,8 +69,9 @@ class FrequencyPolicy(LRUPolicy):
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
 
 
-def plan_fill(wanted: Sequence[Key], resident: dict[Key, int], free: list[int],
-              policy: LRUPolicy) -> tuple[dict[Key, int], list[Key]]:
+def plan_fill(
+    wanted: Sequence[Key], resident: dict[Key, int], free: list[int], policy: LRUPolicy
+) -> tuple[dict[Key, int], list[Key]]:
     """Rows for the misses of ``wanted``: free rows first, then policy victims
     among resident keys that are not wanted now. Returns (miss -> row, evicted)."""
     wanted_set = set(wanted)
@@ -94,8 +95,7 @@ def hot_capacity(budget_bytes: int, row_bytes: int, total_experts: int) -> int:
 class HotCache:
     """Expert bundles across layers within ``capacity`` rows (one byte budget)."""
 
-    def __init__(self, store: ExpertStore, capacity: int, scales_dtype: Optional[mx.Dtype],
-                 policy: str = "lfu"):
+    def __init__(self, store: ExpertStore, capacity: int, scales_dtype: Optional[mx.Dtype], policy: str = "lfu"):
         self.store = store
         self.capacity = capacity
         self.buffers = SlotBuffers(store.geometry, capacity, scales_dtype)
@@ -129,8 +129,9 @@ class HotCache:
         if placed:
             misses = list(placed)
             try:
-                self.store.submit(layer, [e for _, e in misses], [placed[k] for k in misses],
-                                  self.buffers, urgent=True).wait()
+                self.store.submit(
+                    layer, [e for _, e in misses], [placed[k] for k in misses], self.buffers, urgent=True
+                ).wait()
             except BaseException:
                 self.free.extend(placed.values())  # rows hold garbage now: free, not resident
                 raise

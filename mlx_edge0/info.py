@@ -40,11 +40,9 @@ def describe(path: Path | str) -> dict[str, Any]:
     check_generation(resident.path, resident.metadata, section.generation)
     layers = []
     for layer in section.moe_layers:
-        lf = LayerFile(path / expert_file(layer), section.experts, section.alignment,
-                       generation=section.generation)
+        lf = LayerFile(path / expert_file(layer), section.experts, section.alignment, generation=section.generation)
         lf.close()
-        layers.append({"layer": layer, "file": expert_file(layer),
-                       "bytes": (path / expert_file(layer)).stat().st_size})
+        layers.append({"layer": layer, "file": expert_file(layer), "bytes": (path / expert_file(layer)).stat().st_size})
     if section.prerouter:
         # validates file, ownership, shapes, K against config.json, source hash
         load_heads(path, section, int(section.prerouter.get("k", 0)))
@@ -54,8 +52,15 @@ def describe(path: Path | str) -> dict[str, Any]:
         kinds: dict[str, int] = {}
         for kind in a.kinds.values():
             kinds[kind] = kinds.get(kind, 0) + 1
-        adapters = {"rank": a.config.rank, "alpha": a.config.alpha, "scale": a.config.scale,
-                    "k": a.config.k, "targets": len(a.config.targets), "kinds": kinds, "bytes": a.nbytes}
+        adapters = {
+            "rank": a.config.rank,
+            "alpha": a.config.alpha,
+            "scale": a.config.scale,
+            "k": a.config.k,
+            "targets": len(a.config.targets),
+            "kinds": kinds,
+            "bytes": a.nbytes,
+        }
     code = inspect_code(path)
     g = section.experts
     return {
@@ -64,8 +69,11 @@ def describe(path: Path | str) -> dict[str, Any]:
         "format_version": section.format_version,
         "moe_layers": list(section.moe_layers),
         "num_experts_per_tok": {
-            str(i): (section.consumer_k if section.prerouter and i in section.prerouter["consumers"]
-                     else section.num_experts_per_tok)
+            str(i): (
+                section.consumer_k
+                if section.prerouter and i in section.prerouter["consumers"]
+                else section.num_experts_per_tok
+            )
             for i in section.moe_layers
         },
         "experts": {
@@ -82,8 +90,7 @@ def describe(path: Path | str) -> dict[str, Any]:
         "expert_bytes": sum(x["bytes"] for x in layers),
         "resident_bytes": resident.file_size,
         "resident_tensors": len(resident.entries),
-        "quantization": {k: v for k, v in (config.get("quantization") or {}).items()
-                         if not isinstance(v, dict)},
+        "quantization": {k: v for k, v in (config.get("quantization") or {}).items() if not isinstance(v, dict)},
         "shim": {
             "file": code.model_file,
             "ours": code.shim_ok,
@@ -115,17 +122,21 @@ def _k_line(k_of: dict[str, int]) -> str:
 def _heads_line(prerouter) -> str:
     if not prerouter:
         return "no"
-    return (f"{len(prerouter['owners'])} (owners {prerouter['owners'][0]}-{prerouter['owners'][-1]}, "
-            f"consumers {prerouter['consumers'][0]}-{prerouter['consumers'][-1]}, K={prerouter['k']}, "
-            f"prerouting decode, per sequence in batches)")
+    return (
+        f"{len(prerouter['owners'])} (owners {prerouter['owners'][0]}-{prerouter['owners'][-1]}, "
+        f"consumers {prerouter['consumers'][0]}-{prerouter['consumers'][-1]}, K={prerouter['k']}, "
+        f"prerouting decode, per sequence in batches)"
+    )
 
 
 def _adapters_line(adapters) -> str:
     if not adapters:
         return "no"
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(adapters["kinds"].items()))
-    return (f"r={adapters['rank']} alpha={adapters['alpha']:g} on {adapters['targets']} projections "
-            f"({kinds}), K={adapters['k']}, {human_bytes(adapters['bytes'])}, unmerged")
+    return (
+        f"r={adapters['rank']} alpha={adapters['alpha']:g} on {adapters['targets']} projections "
+        f"({kinds}), K={adapters['k']}, {human_bytes(adapters['bytes'])}, unmerged"
+    )
 
 
 def format_description(d: dict[str, Any]) -> str:

@@ -55,8 +55,9 @@ def new_generation() -> str:
     return secrets.token_hex(8)
 
 
-def check_generation(path: Path | str, metadata: dict[str, str], expected: Optional[str],
-                     required: bool = True) -> None:
+def check_generation(
+    path: Path | str, metadata: dict[str, str], expected: Optional[str], required: bool = True
+) -> None:
     """Refuse a safetensors file whose generation is not config.json's.
 
     Args:
@@ -206,19 +207,20 @@ def verify(path: Path | str, progress: Optional[Callable[[int, int, str], None]]
             continue
         try:
             if name in recorded and sha256_file(file) != recorded[name]:
-                problems.append(Problem(name, "sha256 does not match the one convert recorded "
-                                              "(changed in place, or bit rot)"))
+                problems.append(
+                    Problem(name, "sha256 does not match the one convert recorded (changed in place, or bit rot)")
+                )
             if name.endswith(".safetensors"):
                 found, n = _scan_tensors(file, section.generation, required=name in tensor_files)
                 problems += [Problem(name, p) for p in found]
                 scanned += n
         except OSError as e:  # permissions, an I/O error of a failing disk
             problems.append(Problem(name, f"unreadable ({e.strerror or e})"))
-    present = {str(p.relative_to(path)) for p in path.rglob("*")
-               if p.is_file() and not p.name.startswith(".")}
+    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")}
     unrecorded = tuple(sorted(present - set(recorded) - {CONFIG_FILE})) if recorded else ()
-    return VerifyReport(str(path.resolve()), bool(recorded), sum(n in recorded for n in names),
-                        scanned, unrecorded, tuple(problems))
+    return VerifyReport(
+        str(path.resolve()), bool(recorded), sum(n in recorded for n in names), scanned, unrecorded, tuple(problems)
+    )
 
 
 def _scan_tensors(file: Path, generation: Optional[str], required: bool) -> tuple[list[str], int]:
@@ -250,8 +252,10 @@ def format_verify(report: VerifyReport) -> str:
     if not report.checksums_recorded:
         lines.append(f"  verify          {NO_CHECKSUMS}")
     if report.ok:
-        lines.append(f"  verify          ok: {plural(report.checked_files, 'file')} match their recorded "
-                     f"sha256, {plural(report.scanned_tensors, 'float tensor')} finite, generations agree")
+        lines.append(
+            f"  verify          ok: {plural(report.checked_files, 'file')} match their recorded "
+            f"sha256, {plural(report.scanned_tensors, 'float tensor')} finite, generations agree"
+        )
     else:
         lines.append(f"  verify          FAILED: {plural(len(report.problems), 'problem')}")
         lines += [f"    {p}" for p in report.problems]

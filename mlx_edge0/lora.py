@@ -71,8 +71,14 @@ class AdapterConfig:
             "fine_tune_type": "lora",
             "num_layers": num_layers,
             "lora_parameters": {"rank": self.rank, "scale": self.scale, "dropout": 0.0, "keys": keys},
-            "edge0": {"format": ADAPTER_FORMAT, "version": ADAPTER_VERSION, "alpha": self.alpha,
-                      "targets": list(self.targets), "k": self.k, "source_hash": self.source_hash},
+            "edge0": {
+                "format": ADAPTER_FORMAT,
+                "version": ADAPTER_VERSION,
+                "alpha": self.alpha,
+                "targets": list(self.targets),
+                "k": self.k,
+                "source_hash": self.source_hash,
+            },
         }
 
 
@@ -233,8 +239,11 @@ def read_adapters(checkpoint: Path, directory: Optional[Path] = None, k: int = 0
         raw = json.loads(config_path.read_text())
         section = raw["edge0"]
         config = AdapterConfig(
-            tuple(str(t) for t in section["targets"]), int(section["k"]), str(section["source_hash"]),
-            int(raw["lora_parameters"]["rank"]), float(section["alpha"]),
+            tuple(str(t) for t in section["targets"]),
+            int(section["k"]),
+            str(section["source_hash"]),
+            int(raw["lora_parameters"]["rank"]),
+            float(section["alpha"]),
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{config_path}: not a valid edge0 adapter config ({e!r})") from None
@@ -243,11 +252,15 @@ def read_adapters(checkpoint: Path, directory: Optional[Path] = None, k: int = 0
         return CheckpointError(f"{path}: {problem}")
 
     if section.get("format") != ADAPTER_FORMAT or section.get("version") != ADAPTER_VERSION:
-        raise fail(config_path, f"not an edge0 adapter config of version {ADAPTER_VERSION} "
-                                f"(format {section.get('format')!r}, version {section.get('version')!r})")
+        raise fail(
+            config_path,
+            f"not an edge0 adapter config of version {ADAPTER_VERSION} "
+            f"(format {section.get('format')!r}, version {section.get('version')!r})",
+        )
     if config.rank < 1 or not config.alpha > 0 or not config.targets:
-        raise fail(config_path, f"rank {config.rank} and alpha {config.alpha} must be positive, "
-                                f"with at least one target")
+        raise fail(
+            config_path, f"rank {config.rank} and alpha {config.alpha} must be positive, with at least one target"
+        )
     model_config = read_config(checkpoint)
     declared = declared_targets(family_for(model_config, checkpoint / CONFIG_FILE).model_class)
     resident = read_header(checkpoint / RESIDENT_FILE)
@@ -255,23 +268,28 @@ def read_adapters(checkpoint: Path, directory: Optional[Path] = None, k: int = 0
     for target in config.targets:
         m = LAYER_PATH.fullmatch(target)
         if m is None or m[2] not in declared:
-            raise fail(config_path, f"{target} is not a LoRA target of {model_config['model_type']} "
-                                    f"(targets: {sorted(declared)})")
+            raise fail(
+                config_path,
+                f"{target} is not a LoRA target of {model_config['model_type']} (targets: {sorted(declared)})",
+            )
         found = _base_dims(resident, model_config, target)
         if found is None:
             raise fail(config_path, f"{target} has no base projection in {checkpoint / RESIDENT_FILE}")
         dims[target], kinds[target] = found, declared[m[2]]
     if config.source_hash != targets_hash(checkpoint, config.targets):
-        raise fail(config_path, "adapters were made for another model (target weights differ: "
-                                "source_hash mismatch)")
+        raise fail(config_path, "adapters were made for another model (target weights differ: source_hash mismatch)")
     if k and config.k != k:
-        raise fail(config_path, f"adapters were trained with K={config.k} on the prerouted layers, "
-                                f"but the model routes K={k} (train adapters for this K, or turn LoRA off)")
+        raise fail(
+            config_path,
+            f"adapters were trained with K={config.k} on the prerouted layers, "
+            f"but the model routes K={k} (train adapters for this K, or turn LoRA off)",
+        )
     try:
         header = read_header(tensors_path)
         if directory.resolve() == checkpoint.resolve():  # adapters kept elsewhere outlive a re-convert
-            check_generation(tensors_path, header.metadata, model_config.get("edge0", {}).get(GENERATION_KEY),
-                             required=False)
+            check_generation(
+                tensors_path, header.metadata, model_config.get("edge0", {}).get(GENERATION_KEY), required=False
+            )
     except TensorFileError as e:
         raise CheckpointError(str(e)) from None
     want = {}
@@ -280,13 +298,16 @@ def read_adapters(checkpoint: Path, directory: Optional[Path] = None, k: int = 0
         want[f"{target}.lora_b"] = (config.rank, out_dims)
     if set(header.entries) != set(want):
         missing, extra = sorted(set(want) - set(header.entries)), sorted(set(header.entries) - set(want))
-        raise fail(tensors_path, f"tensors do not match {ADAPTER_CONFIG_FILE} "
-                                 f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        raise fail(
+            tensors_path, f"tensors do not match {ADAPTER_CONFIG_FILE} (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     for name, shape in want.items():
         entry = header.entries[name]
         if tuple(entry.shape) != shape or entry.dtype not in ("F32", "F16", "BF16"):
-            raise fail(tensors_path, f"{name} is {entry.dtype} {list(entry.shape)}, expected a float "
-                                     f"tensor of shape {list(shape)}")
+            raise fail(
+                tensors_path,
+                f"{name} is {entry.dtype} {list(entry.shape)}, expected a float tensor of shape {list(shape)}",
+            )
     return Adapters(config, directory, dims, kinds, sum(e.nbytes for e in header.entries.values()))
 
 

@@ -128,9 +128,7 @@ class Edge0Model:
         # model's cast_predicate (e.g. A_log, expert_bias stay float32).
         keep = None if dtype == mx.float32 else getattr(self, "cast_predicate", None)
         return {
-            k: v.astype(dtype)
-            if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k))
-            else v
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k)) else v
             for k, v in weights.items()
         }
 

@@ -45,8 +45,12 @@ def parse_cache_gib(value: str) -> Union[float, str]:
         raise ValueError(f"{value!r}: use 'auto' or a number of GiB") from None
 
 
-def _option(default: Any, help: Optional[str] = None, choices: tuple[str, ...] = (),
-            parse: Optional[Callable[[str], Any]] = None) -> Any:
+def _option(
+    default: Any,
+    help: Optional[str] = None,
+    choices: tuple[str, ...] = (),
+    parse: Optional[Callable[[str], Any]] = None,
+) -> Any:
     """A field of :class:`Options` with its command-line metadata (read by
     :mod:`mlx_edge0.flags`): ``help``, ``choices`` (a closed set of strings),
     ``parse`` (text -> value, raising ``ValueError`` with the fix)."""
@@ -103,16 +107,21 @@ class Options:
             the int4 base alone.
     """
 
-    compute_dtype: str = _option("auto", "float32 on CPU by default; the checkpoint's dtype on Metal.",
-                                 choices=COMPUTE_DTYPES)
+    compute_dtype: str = _option(
+        "auto", "float32 on CPU by default; the checkpoint's dtype on Metal.", choices=COMPUTE_DTYPES
+    )
     io_threads: int = _option(4)
     cache_gib: Union[float, str] = _option(
-        "auto", "Hot expert cache budget in GiB ('auto': from available memory; 0: off).", parse=parse_cache_gib)
+        "auto", "Hot expert cache budget in GiB ('auto': from available memory; 0: off).", parse=parse_cache_gib
+    )
     hot_policy: str = _option("lfu", choices=HOT_POLICIES)
     staged: bool = _option(False, "Decode through per-layer staged slots.")
     staged_slots: int = _option(0, "Slots per staged buffer (0 = K).")
-    staged_window: int = _option(0, "Staged buffers the prerouted layers take in turn (0 = one per layer; "
-                                    "N >= 3: N x K rows, reads about N-2 layers ahead).")
+    staged_window: int = _option(
+        0,
+        "Staged buffers the prerouted layers take in turn (0 = one per layer; "
+        "N >= 3: N x K rows, reads about N-2 layers ahead).",
+    )
     prefill: str = _option("auto", "Prompt-chunk path.", choices=PREFILL_PATHS)
     page_cache: str = _option("keep", "What expert reads leave in the OS page cache.", choices=PAGE_CACHE_POLICIES)
     prerouter: bool = _option(True, "Route with the prerouter heads' predictions (when the checkpoint has heads).")
@@ -121,15 +130,10 @@ class Options:
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
-                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
-                f"got {self.compute_dtype!r}"
-            )
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be an integer in 1..64, got {self.io_threads!r}")
-        if self.cache_gib != "auto" and not (
-            isinstance(self.cache_gib, (int, float)) and self.cache_gib >= 0
-        ):
+        if self.cache_gib != "auto" and not (isinstance(self.cache_gib, (int, float)) and self.cache_gib >= 0):
             raise ValueError(f"cache_gib must be 'auto' or a number >= 0, got {self.cache_gib!r}")
         if self.hot_policy not in HOT_POLICIES:
             raise ValueError(f"hot_policy must be one of {', '.join(HOT_POLICIES)}, got {self.hot_policy!r}")
@@ -145,17 +149,14 @@ class Options:
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"k must be an integer >= 0 (0 = the checkpoint's K), got {self.k!r}")
         if self.page_cache not in PAGE_CACHE_POLICIES:
-            raise ValueError(
-                f"page_cache must be one of {', '.join(PAGE_CACHE_POLICIES)}, got {self.page_cache!r}"
-            )
+            raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_POLICIES)}, got {self.page_cache!r}")
         if self.prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
 
     def cache_bytes(self, expert_bytes: int) -> int:
         """The hot-cache budget for a model whose experts total ``expert_bytes``."""
         if self.cache_gib == "auto":
-            return int(min(AUTO_CACHE_MEMORY_SHARE * available_memory(),
-                           AUTO_CACHE_EXPERT_SHARE * expert_bytes))
+            return int(min(AUTO_CACHE_MEMORY_SHARE * available_memory(), AUTO_CACHE_EXPERT_SHARE * expert_bytes))
         return int(self.cache_gib * GIB)
 
     def dtype(self) -> Optional[mx.Dtype]:

@@ -122,8 +122,10 @@ class PinnedModelProvider(stock.ModelProvider):
         self.options = options
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
-        if model_path not in (DEFAULT_MODEL, str(self.checkpoint)) or adapter_path is not None or (
-            draft_model_path not in (DEFAULT_MODEL, None)
+        if (
+            model_path not in (DEFAULT_MODEL, str(self.checkpoint))
+            or adapter_path is not None
+            or (draft_model_path not in (DEFAULT_MODEL, None))
         ):
             raise RequestRefused(f"this server runs {self.checkpoint} only")
         if self.model is None:
@@ -180,9 +182,11 @@ def token_counter(tokenizer, chat_template_args: dict) -> Callable[[str, dict], 
                 return len(tokenizer.encode(body["prompt"]))
             if path in CHAT_PATHS:
                 kwargs = {**chat_template_args, **(body.get("chat_template_kwargs") or {})}
-                return len(tokenizer.apply_chat_template(
-                    body["messages"], tools=body.get("tools"), add_generation_prompt=True, tokenize=True, **kwargs
-                ))
+                return len(
+                    tokenizer.apply_chat_template(
+                        body["messages"], tools=body.get("tools"), add_generation_prompt=True, tokenize=True, **kwargs
+                    )
+                )
         except Exception:  # the stock handler reports the same failure to the client
             return None
         return None
@@ -237,8 +241,11 @@ def serve(spec: ServingSpec, server_args: list[str]) -> int:
     try:
         httpd = server_class(address, None)
     except OSError as e:
-        print(f"edge0 serve: cannot listen on {spec.host}:{spec.port} ({e.strerror}); "
-              "is another server using the port? Pick another with --port", file=sys.stderr)
+        print(
+            f"edge0 serve: cannot listen on {spec.host}:{spec.port} ({e.strerror}); "
+            "is another server using the port? Pick another with --port",
+            file=sys.stderr,
+        )
         return 1
     config = text_config(read_config(checkpoint))
     tokenizer = load_tokenizer(checkpoint)

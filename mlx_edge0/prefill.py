@@ -30,8 +30,9 @@ from .store import ExpertStore, ReadBatch
 class WholeLayerLoader:
     """Reads whole MoE layers ahead of the compute that needs them."""
 
-    def __init__(self, store: ExpertStore, moe_layers: Sequence[int], scales_dtype: Optional[mx.Dtype],
-                 drop_pages: bool = False):
+    def __init__(
+        self, store: ExpertStore, moe_layers: Sequence[int], scales_dtype: Optional[mx.Dtype], drop_pages: bool = False
+    ):
         self.store = store
         self.drop_pages = drop_pages
         self.scales_dtype = scales_dtype

@@ -99,8 +99,13 @@ class PrerouterSpec:
     file: str = PREROUTER_FILE
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "owners": list(self.owners), "consumers": list(self.consumers),
-                "k": self.k, "hidden": self.hidden}
+        return {
+            "file": self.file,
+            "owners": list(self.owners),
+            "consumers": list(self.consumers),
+            "k": self.k,
+            "hidden": self.hidden,
+        }
 
     @classmethod
     def default(cls, moe_layers: tuple[int, ...], k: int) -> "PrerouterSpec":
@@ -188,8 +193,13 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
         return CheckpointError(f"{path}: {problem}")
 
     try:
-        spec = PrerouterSpec(tuple(int(x) for x in raw["owners"]), tuple(int(x) for x in raw["consumers"]),
-                             int(raw["k"]), int(raw.get("hidden", HIDDEN)), raw.get("file", PREROUTER_FILE))
+        spec = PrerouterSpec(
+            tuple(int(x) for x in raw["owners"]),
+            tuple(int(x) for x in raw["consumers"]),
+            int(raw["k"]),
+            int(raw.get("hidden", HIDDEN)),
+            raw.get("file", PREROUTER_FILE),
+        )
         header = read_header(path)
     except TensorFileError as e:
         raise CheckpointError(str(e)) from None
@@ -201,23 +211,31 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
     except TensorFileError as e:
         raise CheckpointError(str(e)) from None
     if meta.get("format") != PREROUTER_FORMAT or meta.get("version") != str(PREROUTER_VERSION):
-        raise fail(f"not an edge0 prerouter file of version {PREROUTER_VERSION} "
-                   f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+        raise fail(
+            f"not an edge0 prerouter file of version {PREROUTER_VERSION} "
+            f"(format {meta.get('format')!r}, version {meta.get('version')!r})"
+        )
     layers = section.moe_layers
     for owner, consumer in zip(spec.owners, spec.consumers):
         if owner not in layers or consumer not in layers or layers.index(consumer) != layers.index(owner) + 1:
             raise fail(f"head of layer {owner} -> {consumer} does not link consecutive MoE layers {list(layers)}")
     if len(spec.owners) != len(spec.consumers) or not spec.owners:
         raise fail("owners and consumers must pair up one to one")
-    for key, want in (("owners", list(spec.owners)), ("consumers", list(spec.consumers)),
-                      ("k", spec.k), ("hidden", spec.hidden)):
+    for key, want in (
+        ("owners", list(spec.owners)),
+        ("consumers", list(spec.consumers)),
+        ("k", spec.k),
+        ("hidden", spec.hidden),
+    ):
         got = json.loads(meta.get(key, "null"))
         if got != want:
             raise fail(f"metadata {key}={got!r} does not match config.json ({want!r})")
     want_k = k or section.num_experts_per_tok
     if spec.k != want_k:
-        raise fail(f"heads were made for K={spec.k}, but K={want_k} was asked for "
-                   f"(make matching heads with `edge0 heads init --k {want_k}`)")
+        raise fail(
+            f"heads were made for K={spec.k}, but K={want_k} was asked for "
+            f"(make matching heads with `edge0 heads init --k {want_k}`)"
+        )
     if meta.get("source_hash") != routers_hash(checkpoint):
         raise fail("heads were made for another model (router weights differ: source_hash mismatch)")
     g = section.experts
@@ -230,13 +248,12 @@ def load_heads(checkpoint: Path, section, k: int = 0) -> tuple[PrerouterSpec, di
         head = PrerouterHead(g.hidden_size, g.num_experts, g.num_experts, spec.hidden)
         want = dict(tree_flatten(head.parameters()))
         prefix = f"heads.{owner}."
-        got = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        got = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         if set(got) != set(want):
             raise fail(f"head {owner} has tensors {sorted(got)}, expected {sorted(want)}")
         for name, value in got.items():
             if value.shape != want[name].shape:
-                raise fail(f"heads.{owner}.{name} has shape {list(value.shape)}, "
-                           f"expected {list(want[name].shape)}")
+                raise fail(f"heads.{owner}.{name} has shape {list(value.shape)}, expected {list(want[name].shape)}")
         head.load_weights(list(got.items()))
         heads[owner] = head
     return spec, heads

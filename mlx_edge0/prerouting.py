@@ -75,8 +75,7 @@ class Planned:
 class Prerouting:
     """Owner heads, the bound per-sequence state, and the staged fills they drive."""
 
-    def __init__(self, runtime: "StreamingRuntime", heads: dict[int, PrerouterHead],
-                 consumer_of: dict[int, int]):
+    def __init__(self, runtime: "StreamingRuntime", heads: dict[int, PrerouterHead], consumer_of: dict[int, int]):
         self.runtime = runtime
         self.heads = heads
         self.consumer_of = consumer_of
@@ -265,8 +264,9 @@ class Prerouting:
             valid = update
         state[s], state[s + 1], state[s + 2] = now, logits, valid
 
-    def _hand_on(self, consumer: int, predicted: mx.array, carried: Optional[mx.array],
-                 carried_valid: Optional[mx.array]) -> None:
+    def _hand_on(
+        self, consumer: int, predicted: mx.array, carried: Optional[mx.array], carried_valid: Optional[mx.array]
+    ) -> None:
         """A prompt chunk's routing for ``consumer``: position t takes the
         prediction made at t - 1; the first position the carried one, if valid."""
         B, L, E = predicted.shape

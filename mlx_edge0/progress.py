@@ -21,8 +21,15 @@ T = TypeVar("T")
 TTY_INTERVAL_S, LOG_INTERVAL_S = 0.2, 10.0
 
 
-def bar(total: Optional[float], label: str, *, unit: str = "it", unit_scale: bool = False,
-        initial: int = 0, show: bool = True) -> tqdm:
+def bar(
+    total: Optional[float],
+    label: str,
+    *,
+    unit: str = "it",
+    unit_scale: bool = False,
+    initial: int = 0,
+    show: bool = True,
+) -> tqdm:
     """A bar counting ``total`` units of work (``initial`` of them already done).
 
     The ETA is the mean rate since the bar opened (``smoothing=0``): work
@@ -30,13 +37,23 @@ def bar(total: Optional[float], label: str, *, unit: str = "it", unit_scale: boo
     moving average, and work done before (``initial``, e.g. a resume) does
     not count towards the rate. Close it (or use it in ``with``) when done.
     """
-    return tqdm(total=total, desc=label, unit=unit, unit_scale=unit_scale, initial=initial,
-                disable=not show, file=sys.stderr, smoothing=0, dynamic_ncols=True,
-                mininterval=TTY_INTERVAL_S if sys.stderr.isatty() else LOG_INTERVAL_S)
+    return tqdm(
+        total=total,
+        desc=label,
+        unit=unit,
+        unit_scale=unit_scale,
+        initial=initial,
+        disable=not show,
+        file=sys.stderr,
+        smoothing=0,
+        dynamic_ncols=True,
+        mininterval=TTY_INTERVAL_S if sys.stderr.isatty() else LOG_INTERVAL_S,
+    )
 
 
-def track(items: Iterable[T], label: str, *, total: Optional[int] = None, unit: str = "it",
-          show: bool = True) -> Iterator[T]:
+def track(
+    items: Iterable[T], label: str, *, total: Optional[int] = None, unit: str = "it", show: bool = True
+) -> Iterator[T]:
     """Yield ``items`` while a :func:`bar` counts them."""
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]

@@ -54,9 +54,7 @@ def group_select(
         group_scores = mx.topk(scores, 2, axis=-1).sum(axis=-1, keepdims=True)
         drop = n_group - topk_group
         group_idx = mx.argpartition(group_scores, kth=drop - 1, axis=-2)[..., :drop, :]
-        scores = mx.put_along_axis(
-            scores, mx.stop_gradient(group_idx), mx.array(0.0, scores.dtype), axis=-2
-        )
+        scores = mx.put_along_axis(scores, mx.stop_gradient(group_idx), mx.array(0.0, scores.dtype), axis=-2)
         scores = mx.flatten(scores, -2, -1)
     inds = mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
     scores = mx.take_along_axis(orig_scores, inds, axis=-1)
@@ -84,9 +82,7 @@ def sigmoid_group(
     group_scores = mx.topk(routing, 2, axis=-1).sum(axis=-1, keepdims=True)
     drop = n_group - topk_group
     group_idx = mx.argpartition(group_scores, kth=drop - 1, axis=-2)[..., :drop, :]
-    routing = mx.put_along_axis(
-        routing, mx.stop_gradient(group_idx), mx.array(float("-inf")), axis=-2
-    )
+    routing = mx.put_along_axis(routing, mx.stop_gradient(group_idx), mx.array(float("-inf")), axis=-2)
     routing = mx.flatten(routing, -2, -1)
     inds = mx.stop_gradient(mx.argpartition(-routing, kth=k - 1, axis=-1)[..., :k])
     selected = mx.take_along_axis(scores, inds, axis=-1)

@@ -45,15 +45,21 @@ class StreamingRuntime:
         # Set to a list to record (layer, routed expert ids) of every synced
         # MoE call, e.g. to compare cache policies on a real trace.
         self.routing_trace: Optional[list[tuple[int, list[int]]]] = None
-        self.store = ExpertStore(checkpoint_dir, section, options.io_threads, self.telemetry,
-                                 bypass_page_cache=options.page_cache == "bypass")
+        self.store = ExpertStore(
+            checkpoint_dir,
+            section,
+            options.io_threads,
+            self.telemetry,
+            bypass_page_cache=options.page_cache == "bypass",
+        )
         g = section.experts
         pool_dtype = self.pool_dtype = pool_scales_dtype(g, self.compute_dtype)
         k = section.num_experts_per_tok
         layers = section.moe_layers
         expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
-        capacity = hot_capacity(options.cache_bytes(expert_bytes), SlotBuffers.row_nbytes(g, pool_dtype),
-                                g.num_experts * len(layers))
+        capacity = hot_capacity(
+            options.cache_bytes(expert_bytes), SlotBuffers.row_nbytes(g, pool_dtype), g.num_experts * len(layers)
+        )
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         if options.k and not section.prerouter:
             raise ValueError(
@@ -62,7 +68,9 @@ class StreamingRuntime:
             )
         # K per MoE layer: the layers the heads predict route with the heads'
         # K (section.consumer_k); an explicit k must match it.
-        spec, heads = load_heads(checkpoint_dir, section, options.k or section.consumer_k) if section.prerouter else (None, {})
+        spec, heads = (
+            load_heads(checkpoint_dir, section, options.k or section.consumer_k) if section.prerouter else (None, {})
+        )
         self.k_of = {layer: k for layer in layers}
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
@@ -75,14 +83,17 @@ class StreamingRuntime:
         window = min(options.staged_window, len(consumer_of))
         staged_layers = layers if options.staged else ([] if window else sorted(consumer_of.values()))
         # A layer never routes to more experts than it has: more slots would stay empty.
-        self.staged = {layer: StagedSlots(self.store, layer, min(options.staged_slots or self.k_of[layer], g.num_experts),
-                                      pool_dtype)
-                       for layer in staged_layers}
-        self.staged_window = [StagedSlots(self.store, -1, min(options.staged_slots or spec.k, g.num_experts),
-                                          pool_dtype)
-                              for _ in range(window)]
-        self.loader = WholeLayerLoader(self.store, layers, pool_dtype,
-                                       drop_pages=options.page_cache == "drop-prefill")
+        self.staged = {
+            layer: StagedSlots(
+                self.store, layer, min(options.staged_slots or self.k_of[layer], g.num_experts), pool_dtype
+            )
+            for layer in staged_layers
+        }
+        self.staged_window = [
+            StagedSlots(self.store, -1, min(options.staged_slots or spec.k, g.num_experts), pool_dtype)
+            for _ in range(window)
+        ]
+        self.loader = WholeLayerLoader(self.store, layers, pool_dtype, drop_pages=options.page_cache == "drop-prefill")
         self.exact = ExactPath(self)
         self.decode_fallback = HotPath(self) if self.hot else self.exact
         self.decode = StagedPath(self) if options.staged else self.decode_fallback
@@ -159,9 +170,9 @@ class StreamingRuntime:
             "hot": self.hot.nbytes if self.hot else 0,
             "staged": sum(s.nbytes for s in [*self.staged.values(), *self.staged_window]),
             "exact": self.exact.scratch.nbytes if self.exact.scratch else 0,
-            "prerouter_heads": sum(
-                v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters())
-            ) if self.prerouting is not None else 0,
+            "prerouter_heads": sum(v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters()))
+            if self.prerouting is not None
+            else 0,
         }
 
     def stats(self) -> dict:

@@ -55,14 +55,18 @@ class Sampling:
             "top_k": _integer(self.top_k) and self.top_k >= 0,
             "min_p": _number(self.min_p) and 0 <= self.min_p <= 1,
             "repetition_penalty": _number(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_context_size": _integer(self.repetition_context_size)
-            and self.repetition_context_size >= 1,
+            "repetition_context_size": _integer(self.repetition_context_size) and self.repetition_context_size >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            allowed = {"temp": ">= 0 (0 = greedy)", "top_p": "in [0, 1]", "top_k": "an integer >= 0",
-                       "min_p": "in [0, 1]", "repetition_penalty": "> 0 (1 = off)",
-                       "repetition_context_size": "an integer >= 1"}
+            allowed = {
+                "temp": ">= 0 (0 = greedy)",
+                "top_p": "in [0, 1]",
+                "top_k": "an integer >= 0",
+                "min_p": "in [0, 1]",
+                "repetition_penalty": "> 0 (1 = off)",
+                "repetition_context_size": "an integer >= 1",
+            }
             raise ValueError("; ".join(f"{n} must be {allowed[n]}, got {getattr(self, n)!r}" for n in bad))
 
     def override(self, **flags: Optional[Any]) -> "Sampling":
@@ -78,14 +82,16 @@ class Sampling:
         from mlx_lm.sample_utils import make_logits_processors
 
         penalty = None if self.repetition_penalty == 1.0 else self.repetition_penalty
-        return make_logits_processors(repetition_penalty=penalty,
-                                      repetition_context_size=self.repetition_context_size)
+        return make_logits_processors(repetition_penalty=penalty, repetition_context_size=self.repetition_context_size)
 
     def describe(self) -> str:
         """One line for the user: what differs from plain greedy decoding."""
         default = Sampling()
-        changed = [f"{f.name} {getattr(self, f.name):g}" for f in fields(self)
-                   if getattr(self, f.name) != getattr(default, f.name)]
+        changed = [
+            f"{f.name} {getattr(self, f.name):g}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
         return ", ".join(changed) if changed else "greedy"
 
 

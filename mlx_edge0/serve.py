@@ -65,8 +65,7 @@ def context_length(checkpoint: Path) -> int:
 def port_in_use(host: str, port: int) -> Optional[str]:
     """Why ``host:port`` cannot be listened on (None: it can, right now)."""
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(address)
@@ -101,8 +100,7 @@ def wait_for_failure(child: subprocess.Popen, health_url: str, poll_s: float) ->
     return False
 
 
-def supervise(argv: list[str], health_url: str, poll_s: float = 5.0,
-              log: Callable[[str], None] = print) -> int:
+def supervise(argv: list[str], health_url: str, poll_s: float = 5.0, log: Callable[[str], None] = print) -> int:
     """Run the server command ``argv``; restart it when its generation loop dies.
 
     mlx_lm.server (0.32) runs every batch in one generation thread, and an
@@ -126,13 +124,14 @@ def supervise(argv: list[str], health_url: str, poll_s: float = 5.0,
                 child.wait()
         if not died:
             return child.returncode
-        log(f"edge0 serve: mlx_lm.server's generation loop died (its log above says why); "
-            f"restarting it in {RESTART_DELAY_S:.0f} s")
+        log(
+            f"edge0 serve: mlx_lm.server's generation loop died (its log above says why); "
+            f"restarting it in {RESTART_DELAY_S:.0f} s"
+        )
         time.sleep(RESTART_DELAY_S)
 
 
-def serve_checkpoint(spec: ServingSpec, server_args: Sequence[str] = (),
-                     log: Callable[[str], None] = print) -> int:
+def serve_checkpoint(spec: ServingSpec, server_args: Sequence[str] = (), log: Callable[[str], None] = print) -> int:
     """Serve ``spec`` (a checked checkpoint) until interrupted (Ctrl-C,
     SIGTERM: returns 0) or the server exits by itself (returns its status)."""
     local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(spec.host, spec.host)
@@ -150,15 +149,29 @@ def serve_checkpoint(spec: ServingSpec, server_args: Sequence[str] = (),
 
 @click.command("serve", context_settings={"ignore_unknown_options": True})
 @model_option
-@click.option("--host", default=DEFAULT_HOST, show_default=True,
-              help="Address to bind. Loopback by default; anything else exposes the server.")
+@click.option(
+    "--host",
+    default=DEFAULT_HOST,
+    show_default=True,
+    help="Address to bind. Loopback by default; anything else exposes the server.",
+)
 @click.option("--port", default=DEFAULT_PORT, show_default=True)
-@click.option("--max-prompt-tokens", type=int, default=None,
-              help="Refuse longer prompts with a 400 (default: the model's context; 0: no limit).")
+@click.option(
+    "--max-prompt-tokens",
+    type=int,
+    default=None,
+    help="Refuse longer prompts with a 400 (default: the model's context; 0: no limit).",
+)
 @option_flags
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-def serve_command(model_path: Optional[Path], host: str, port: int, max_prompt_tokens: Optional[int],
-                  server_args: tuple[str, ...], **option_fields) -> None:
+def serve_command(
+    model_path: Optional[Path],
+    host: str,
+    port: int,
+    max_prompt_tokens: Optional[int],
+    server_args: tuple[str, ...],
+    **option_fields,
+) -> None:
     """Serve an edge0 checkpoint with the stock mlx_lm.server (OpenAI API).
 
     Options not listed here are passed to mlx_lm.server unchanged, e.g.
@@ -179,10 +192,14 @@ def serve_command(model_path: Optional[Path], host: str, port: int, max_prompt_t
         raise click.ClickException(str(e)) from None
     busy = port_in_use(host, port)
     if busy:
-        raise click.ClickException(f"cannot listen on {host}:{port} ({busy}); is another server using the "
-                                   "port? Pick another with --port")
+        raise click.ClickException(
+            f"cannot listen on {host}:{port} ({busy}); is another server using the port? Pick another with --port"
+        )
     limit = context_length(checkpoint) if max_prompt_tokens is None else max_prompt_tokens
     spec = ServingSpec(str(checkpoint), options.to_dict(), host, port, limit)
-    click.echo(f"edge0 serve: {checkpoint} on http://{host}:{port} (mlx_lm.server; prompts up to "
-               f"{limit or 'any number of'} tokens)", err=True)
+    click.echo(
+        f"edge0 serve: {checkpoint} on http://{host}:{port} (mlx_lm.server; prompts up to "
+        f"{limit or 'any number of'} tokens)",
+        err=True,
+    )
     sys.exit(serve_checkpoint(spec, server_args, log=lambda m: click.echo(m, err=True)))

@@ -112,6 +112,9 @@ class SlotBuffers:
         a = self.arrays
         g = self.geometry
         return ExpertWeights(
-            Projection(*a[0:3]), Projection(*a[3:6]), Projection(*a[6:9]),
-            group_size=g.group_size, bits=g.bits,
+            Projection(*a[0:3]),
+            Projection(*a[3:6]),
+            Projection(*a[6:9]),
+            group_size=g.group_size,
+            bits=g.bits,
         )

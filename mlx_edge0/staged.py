@@ -117,8 +117,7 @@ class StagedSlots:
                 to_read.append((slot, e))
             contents[slot] = e
         stats.staged_read += len(to_read)
-        reads = self.store.submit(self.layer, [e for _, e in to_read], [s for s, _ in to_read], buf,
-                                  urgent=fill_hot)
+        reads = self.store.submit(self.layer, [e for _, e in to_read], [s for s, _ in to_read], buf, urgent=fill_hot)
         table = np.zeros(self.store.geometry.num_experts, np.int32)
         for e, s in plan.slot_of.items():
             table[e] = s

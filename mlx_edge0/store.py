@@ -76,9 +76,7 @@ class ReadRun:
     offset: int
 
 
-def plan_reads(
-    ids: Sequence[int], offsets: Sequence[int], stride: int, max_run: int
-) -> list[ReadRun]:
+def plan_reads(ids: Sequence[int], offsets: Sequence[int], stride: int, max_run: int) -> list[ReadRun]:
     """Coalesce experts whose bundles are adjacent on disk into single reads.
 
     Args:
@@ -89,11 +87,7 @@ def plan_reads(
     """
     runs: list[ReadRun] = []
     for row, e in enumerate(ids):
-        if (
-            runs
-            and len(runs[-1].ids) < max_run
-            and offsets[e] == runs[-1].offset + stride * len(runs[-1].ids)
-        ):
+        if runs and len(runs[-1].ids) < max_run and offsets[e] == runs[-1].offset + stride * len(runs[-1].ids):
             last = runs[-1]
             runs[-1] = ReadRun(last.first_row, last.ids + (e,), last.offset)
         else:
@@ -104,8 +98,15 @@ def plan_reads(
 class LayerFile:
     """One open, validated ``experts/layer_NNN.safetensors``."""
 
-    def __init__(self, path: Path, geometry: ExpertGeometry, alignment: int,
-                 bypass_page_cache: bool = False, *, generation: Optional[str] = None):
+    def __init__(
+        self,
+        path: Path,
+        geometry: ExpertGeometry,
+        alignment: int,
+        bypass_page_cache: bool = False,
+        *,
+        generation: Optional[str] = None,
+    ):
         self.path = path
         self.bypass_page_cache = bypass_page_cache
         self.geometry = geometry
@@ -118,8 +119,7 @@ class LayerFile:
         expected = 9 * geometry.num_experts + (geometry.num_experts if pad else 0)
         if len(header.entries) != expected:
             raise TensorFileError(
-                f"{path}: holds {len(header.entries)} tensors, expected {expected} "
-                f"for {geometry.num_experts} experts"
+                f"{path}: holds {len(header.entries)} tensors, expected {expected} for {geometry.num_experts} experts"
             )
         offsets = []
         for e in range(geometry.num_experts):
@@ -136,15 +136,11 @@ class LayerFile:
                         f"the config needs {dtype}{list(shape)}"
                     )
                 if end is not None and entry.start != end:
-                    raise TensorFileError(
-                        f"{path}: expert {e}'s tensors are not adjacent at {name!r}"
-                    )
+                    raise TensorFileError(f"{path}: expert {e}'s tensors are not adjacent at {name!r}")
                 start = entry.start if start is None else start
                 end = entry.end
             if start % alignment:
-                raise TensorFileError(
-                    f"{path}: expert {e} starts at byte {start}, not aligned to {alignment}"
-                )
+                raise TensorFileError(f"{path}: expert {e} starts at byte {start}, not aligned to {alignment}")
             offsets.append(start)
         self.offsets = offsets
         check_generation(path, header.metadata, generation)  # after the layout: its errors say more
@@ -282,8 +278,7 @@ def _preadv_exact(fd: int, views: list[memoryview], offset: int, path: Path, dir
         if n == 0 or (direct and n % DIRECT_BLOCK and done + n < total):
             done += n
             raise ExpertReadError(
-                f"{path}: short read {done}/{total} bytes at offset {offset} "
-                "(the file is truncated or was replaced)"
+                f"{path}: short read {done}/{total} bytes at offset {offset} (the file is truncated or was replaced)"
             )
         done += n
         while pending and n >= pending[0].nbytes:
@@ -308,8 +303,16 @@ def convertible(src_code: str, dst_code: str) -> bool:
     return src_code == dst_code or (src_code, dst_code) in (("BF16", "F32"), ("F16", "F32"))
 
 
-def _read_run(fd: int, parts: list[tuple[memoryview, int]], offset: int, path: Path,
-              src_code: str, dst_code: str, drop_pages: bool, direct: bool) -> int:
+def _read_run(
+    fd: int,
+    parts: list[tuple[memoryview, int]],
+    offset: int,
+    path: Path,
+    src_code: str,
+    dst_code: str,
+    drop_pages: bool,
+    direct: bool,
+) -> int:
     """I/O thread: one coalesced read, widen scales, optionally drop the
     range from the page cache. No MLX calls here.
 
@@ -342,8 +345,9 @@ def _read_run(fd: int, parts: list[tuple[memoryview, int]], offset: int, path: P
 class ReadBatch:
     """Reads in flight for one layer (its *future*): ``wait`` blocks only here."""
 
-    def __init__(self, futures: list[Future], loads: int, telemetry: Telemetry,
-                 on_error: Optional[Callable[[], None]] = None):
+    def __init__(
+        self, futures: list[Future], loads: int, telemetry: Telemetry, on_error: Optional[Callable[[], None]] = None
+    ):
         self.futures = futures
         self.loads = loads
         self.telemetry = telemetry
@@ -387,8 +391,14 @@ class ReadBatch:
 class ExpertStore:
     """Reads routed experts of the MoE layers of one checkpoint."""
 
-    def __init__(self, checkpoint_dir: Path | str, section: Edge0Section, io_threads: int = 4,
-                 telemetry: Optional[Telemetry] = None, bypass_page_cache: bool = False):
+    def __init__(
+        self,
+        checkpoint_dir: Path | str,
+        section: Edge0Section,
+        io_threads: int = 4,
+        telemetry: Optional[Telemetry] = None,
+        bypass_page_cache: bool = False,
+    ):
         self.checkpoint_dir = Path(checkpoint_dir)
         self.geometry = section.experts
         self.alignment = section.alignment
@@ -402,21 +412,29 @@ class ExpertStore:
             for layer in section.moe_layers:
                 path = self.checkpoint_dir / expert_file(layer)
                 if not path.exists():
-                    raise TensorFileError(
-                        f"{path}: expert file for MoE layer {layer} is missing"
-                    )
-                self.layers[layer] = LayerFile(path, self.geometry, section.alignment, bypass_page_cache,
-                                               generation=section.generation)
+                    raise TensorFileError(f"{path}: expert file for MoE layer {layer} is missing")
+                self.layers[layer] = LayerFile(
+                    path, self.geometry, section.alignment, bypass_page_cache, generation=section.generation
+                )
         except BaseException:
             self.close()
             raise
-        self._pools = (ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io"),
-                       ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io-urgent"))
+        self._pools = (
+            ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io"),
+            ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io-urgent"),
+        )
         weakref.finalize(self, _release, self._pools, self.layers.values())
         self._pad = bytearray(max(1, self.geometry.pad_bytes(section.alignment)))
 
-    def submit(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers,
-               drop_pages: bool = False, urgent: bool = False) -> ReadBatch:
+    def submit(
+        self,
+        layer: int,
+        ids: Sequence[int],
+        rows: Sequence[int],
+        target: SlotBuffers,
+        drop_pages: bool = False,
+        urgent: bool = False,
+    ) -> ReadBatch:
         """Start reading expert ``ids[i]`` of ``layer`` into row ``rows[i]`` of ``target``.
 
         Experts adjacent on disk are coalesced into one preadv whatever their
@@ -442,9 +460,19 @@ class ExpertStore:
                 parts.extend(zip(target.row_views(pairs[run.first_row + j][1]), part_bytes))
                 if pad.nbytes and j < len(run.ids) - 1:
                     parts.append((pad, pad.nbytes))
-            futures.append(pool.submit(
-                _read_run, lf.fd, parts, run.offset, lf.path, src_code, dst_code, drop_pages, lf.direct,
-            ))
+            futures.append(
+                pool.submit(
+                    _read_run,
+                    lf.fd,
+                    parts,
+                    run.offset,
+                    lf.path,
+                    src_code,
+                    dst_code,
+                    drop_pages,
+                    lf.direct,
+                )
+            )
         lf.track(futures)
         return ReadBatch(futures, len(pairs), self.telemetry, on_error=self._read_failed)
 
@@ -459,8 +487,9 @@ class ExpertStore:
                 if lf.replaced():
                     wait_all(lf.in_flight)  # then nothing reads the old descriptor
                     try:
-                        fresh = LayerFile(lf.path, self.geometry, self.alignment, self.bypass_page_cache,
-                                          generation=self.generation)
+                        fresh = LayerFile(
+                            lf.path, self.geometry, self.alignment, self.bypass_page_cache, generation=self.generation
+                        )
                     except TensorFileError as e:
                         raise ExpertReadError(f"{e} (reopening it after a failed read)") from None
                     lf.close()

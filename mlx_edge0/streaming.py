@@ -28,8 +28,11 @@ def dense_weight(linear: nn.Module) -> mx.array:
     """float32 weight of a Linear or (8-bit) QuantizedLinear router."""
     if isinstance(linear, nn.QuantizedLinear):
         return mx.dequantize(
-            linear.weight, linear.scales, linear.biases,
-            group_size=linear.group_size, bits=linear.bits,
+            linear.weight,
+            linear.scales,
+            linear.biases,
+            group_size=linear.group_size,
+            bits=linear.bits,
         ).astype(mx.float32)
     return linear.weight.astype(mx.float32)
 

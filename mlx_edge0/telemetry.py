@@ -93,8 +93,7 @@ def format_stats(stats: dict) -> str:
 
     hits, misses = stats["hot_hits"], stats["hot_misses"]
     hit_rate = f" ({100 * hits / (hits + misses):.0f}% hits)" if hits + misses else ""
-    resident = ", ".join(f"{name.replace('_', ' ')} {human_bytes(n)}"
-                         for name, n in stats["resident_bytes"].items())
+    resident = ", ".join(f"{name.replace('_', ' ')} {human_bytes(n)}" for name, n in stats["resident_bytes"].items())
     last = stats["last_step"]
     lines = [
         f"edge0 stats: {stats['steps']} forwards, {stats['tokens']} tokens, decode path "

@@ -153,9 +153,7 @@ def _parse_entry(name, info, data_start, file_size, fail) -> TensorEntry:
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise fail(f"tensor {name!r} has unsupported dtype {dtype!r}")
     shape = info.get("shape")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise fail(f"tensor {name!r} has an invalid shape {shape!r}")
     offsets = info.get("data_offsets")
     if (
@@ -169,8 +167,7 @@ def _parse_entry(name, info, data_start, file_size, fail) -> TensorEntry:
         raise fail(f"tensor {name!r} has data_offsets {offsets} out of order")
     if end - begin != nbytes_of(dtype, shape):
         raise fail(
-            f"tensor {name!r}: data_offsets span {end - begin} bytes but "
-            f"{dtype}{shape} needs {nbytes_of(dtype, shape)}"
+            f"tensor {name!r}: data_offsets span {end - begin} bytes but {dtype}{shape} needs {nbytes_of(dtype, shape)}"
         )
     if data_start + end > file_size:
         raise fail(

@@ -60,9 +60,7 @@ NORM_SPREAD = 0.1  # norm weights in [0.9, 1.1]: non-trivial, and +-1 stays exac
 EMBED_STD = 0.5  # token identity, not the shared attention mix, should drive routing
 
 
-def train_tokenizer(
-    out_dir: Path, vocab_size: int = 512, texts: Optional[Sequence[str]] = None
-) -> Path:
+def train_tokenizer(out_dir: Path, vocab_size: int = 512, texts: Optional[Sequence[str]] = None) -> Path:
     """Train a byte-level BPE tokenizer on stdlib sources, which every machine has.
 
     ``texts`` defaults to :data:`CORPUS_FILES`; the training corpus passes its
@@ -230,9 +228,7 @@ def _randomize(path: str, v: mx.array) -> mx.array:
     return v
 
 
-def build_tiny_model(
-    model_type: str, seed: int = 0, vocab_size: int = 512
-) -> tuple[nn.Module, dict]:
+def build_tiny_model(model_type: str, seed: int = 0, vocab_size: int = 512) -> tuple[nn.Module, dict]:
     """Build the stock mlx-lm model for ``tiny_config(model_type)`` with seeded weights."""
     config = tiny_config(model_type, vocab_size)
     arch = model_module(config)
@@ -383,9 +379,7 @@ def save_hf_fused(
     return _write_hf(weights, config, out_dir, tokenizer_dir, dtype)
 
 
-def _write_hf(
-    weights: dict[str, mx.array], config: dict, out_dir: Path, tokenizer_dir: Path, dtype: mx.Dtype
-) -> Path:
+def _write_hf(weights: dict[str, mx.array], config: dict, out_dir: Path, tokenizer_dir: Path, dtype: mx.Dtype) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "pt"})

@@ -131,8 +131,7 @@ def check_code(path: str | Path) -> Path:
     report = inspect_code(path)
     if report.problems:
         raise UntrustedCodeError(
-            "; ".join(report.problems)
-            + ". mlx-edge0 runs only the shim its converter writes; inspect the checkpoint "
+            "; ".join(report.problems) + ". mlx-edge0 runs only the shim its converter writes; inspect the checkpoint "
             "(edge0 info) and re-convert it, or, if you trust its code, run it with mlx_lm "
             "--trust-remote-code yourself"
         )
@@ -140,8 +139,13 @@ def check_code(path: str | Path) -> Path:
 
 
 def _is_plain_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name \
-        and "/" not in name and "\\" not in name
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and os.path.basename(name) == name
+        and "/" not in name
+        and "\\" not in name
+    )
 
 
 def _check_shim(file: Path) -> tuple[bool, Optional[str]]:

@@ -38,8 +38,14 @@ class BailingMoeStreamingBlock(StreamingMoE):
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         g = self.gate
         return group_select(
-            logits, g.expert_bias, self.top_k, g.n_group, g.topk_group,
-            g.routed_scaling_factor, g.norm_topk_prob, g.score_function,
+            logits,
+            g.expert_bias,
+            self.top_k,
+            g.n_group,
+            g.topk_group,
+            g.routed_scaling_factor,
+            g.norm_topk_prob,
+            g.score_function,
         )
 
     def shared(self, x: mx.array):
@@ -64,9 +70,7 @@ class BailingMoeV3StreamingBlock(StreamingMoE):
 
     def route(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         g = self.gate
-        return sigmoid_group(
-            logits, g.expert_bias, self.top_k, g.n_group, g.topk_group, g.routed_scaling_factor
-        )
+        return sigmoid_group(logits, g.expert_bias, self.top_k, g.n_group, g.topk_group, g.routed_scaling_factor)
 
     def shared(self, x: mx.array) -> mx.array:
         return self.shared_experts(x)

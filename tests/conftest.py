@@ -15,7 +15,6 @@ from mlx_edge0.families import FAMILIES  # noqa: F401 (the tests import it from 
 from mlx_edge0.conversions import ConvertOptions, convert
 
 
-
 @dataclass(frozen=True)
 class Converted:
     model_type: str

@@ -75,7 +75,8 @@ def test_overlapping_offsets(ckpt):
         a = h["experts.3.up_proj.weight"]["data_offsets"]
         b = h["experts.3.gate_proj.weight"]["data_offsets"]
         h["experts.3.up_proj.weight"]["data_offsets"], h["experts.3.gate_proj.weight"]["data_offsets"] = (
-            [b[0], b[0] + a[1] - a[0]], a,
+            [b[0], b[0] + a[1] - a[0]],
+            a,
         )
 
     _rewrite_header(ckpt / LAYER, mutate)
@@ -198,8 +199,12 @@ def test_disk_full_during_convert(converted, tmp_path):
     """The OS refuses a write mid-file (RLIMIT_FSIZE: the same failed write()
     a full disk gives, without needing one): a clear error, no OUT, no temp dir."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", CONVERT, str(converted("qwen3_moe").source), str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(converted("qwen3_moe").source), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert f"{out}: conversion failed while writing" in proc.stdout and "File too large" in proc.stdout
     assert list(tmp_path.iterdir()) == []
@@ -220,8 +225,9 @@ def test_killed_convert_leaves_no_out(converted, tmp_path):
         "m._write_layer = dying\n"
         "m.convert(sys.argv[1], sys.argv[2], m.ConvertOptions(show_progress=False))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(converted("qwen3_moe").source), str(out)],
-                          capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(converted("qwen3_moe").source), str(out)], capture_output=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists()
     left = [p.name for p in tmp_path.iterdir()]

@@ -52,10 +52,7 @@ def small_options(geometry: str, seed: int = 0, **kwargs) -> SynthOptions:
 @pytest.fixture(scope="module")
 def small_ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("small")
-    return {
-        g: synth_checkpoint(root / g, small_options(g), progress=lambda _: None).path
-        for g in SMALL
-    }
+    return {g: synth_checkpoint(root / g, small_options(g), progress=lambda _: None).path for g in SMALL}
 
 
 def _moe_blocks(model):
@@ -90,9 +87,7 @@ def test_ling_full_width_loads_in_stock_mlx_lm(tmp_path):
     opts = SynthOptions("ling-3.0-tiny", layers=2)
     report = synth_checkpoint(tmp_path / "ling", opts, progress=lambda _: None)
     index = json.loads((report.path / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == [
-        f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)
-    ]
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     model, config = _check_stock_load(report.path, [1, 500, 9000])
     assert config["model_type"] == "bailing_hybrid"
     assert model.model.word_embeddings.weight.shape == (157184, 1536)
@@ -206,7 +201,10 @@ def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["summary"] == results["summary"]
     assert [(r["arm"], r["cache"]) for r in saved["runs"]] == [
-        ("stock", "cold"), ("edge0-exact", "cold"), ("stock", "warm"), ("edge0-exact", "warm"),
+        ("stock", "cold"),
+        ("edge0-exact", "cold"),
+        ("stock", "warm"),
+        ("edge0-exact", "warm"),
     ]
     stock, edge0 = saved["summary"]["arms"]["stock/cold"], saved["summary"]["arms"]["edge0-exact/cold"]
     assert stock["ok"] == 1 and stock["decode_tok_s"]["median"] > 0

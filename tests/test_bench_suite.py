@@ -14,7 +14,16 @@ from mlx_edge0.bench.regime import Regime
 from click.testing import CliRunner
 from test_bench import SMALL
 
-from mlx_edge0.bench.charts import CHART_W, Bar, Point, hbar_chart, line_chart, nice_ticks, stacked_hbar_chart, value_formatter
+from mlx_edge0.bench.charts import (
+    CHART_W,
+    Bar,
+    Point,
+    hbar_chart,
+    line_chart,
+    nice_ticks,
+    stacked_hbar_chart,
+    value_formatter,
+)
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.measure import RunSpec, arm_base, parse_arm
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
@@ -184,7 +193,9 @@ def test_suite_options_reject_bad_input(tmp_path):
 
 def test_arm_names_carry_a_page_cache_policy():
     assert parse_arm("edge0-prerouter+bypass@0.5") == (
-        "edge0-prerouter", dict(staged=False, prefill="auto", prerouter=True, page_cache="bypass", cache_gib=0.5))
+        "edge0-prerouter",
+        dict(staged=False, prefill="auto", prerouter=True, page_cache="bypass", cache_gib=0.5),
+    )
     assert "page_cache" not in parse_arm("edge0-exact")[1]  # the Options default: keep
     assert arm_base("edge0-hot+drop-prefill@1") == "edge0-hot" and arm_base("stock") == "stock"
     assert arm_label("edge0-prerouter+bypass@0") == "edge0-prerouter, page cache bypass @ 0 GiB"
@@ -210,9 +221,19 @@ def test_load_suite_errors_name_the_file(tmp_path):
 
 
 def test_run_metrics_from_counters():
-    record = {"decode_s_per_token": 0.5, "counters_per_token": {
-        "exposed_wait_ms": 20.0, "expert_loads": 10, "bytes_read": 10 * 2**20 * 1.5,
-        "hot_hits": 30, "hot_misses": 10, "staged_kept": 2, "staged_copied": 2, "staged_read": 4}}
+    record = {
+        "decode_s_per_token": 0.5,
+        "counters_per_token": {
+            "exposed_wait_ms": 20.0,
+            "expert_loads": 10,
+            "bytes_read": 10 * 2**20 * 1.5,
+            "hot_hits": 30,
+            "hot_misses": 10,
+            "staged_kept": 2,
+            "staged_copied": 2,
+            "staged_read": 4,
+        },
+    }
     m = run_metrics(record)
     assert m["mib_per_load"] == 1.5 and m["hot_hit_rate"] == 0.75 and m["staged_hit_rate"] == 0.5
     assert m["step_ms"] == 500.0 and m["step_other_ms"] == 480.0 and m["loads_per_token"] == 10
@@ -259,8 +280,14 @@ def test_summary_pairs_runs_by_round():
     def run(arm, rnd, tok_s, tokens):
         return {"arm": arm, "cache": "cold", "round": rnd, "ok": True, "decode_tok_s": tok_s, "tokens": tokens}
 
-    runs = [run("stock", 0, 1.0, [1, 2]), run("edge0-exact", 0, 0.8, [1, 2]), run("edge0-prerouter", 0, 0.9, [1, 3]),
-            run("stock", 1, 2.0, [1, 2]), run("edge0-exact", 1, 1.8, [1, 2]), run("edge0-prerouter", 1, 2.2, [1, 2])]
+    runs = [
+        run("stock", 0, 1.0, [1, 2]),
+        run("edge0-exact", 0, 0.8, [1, 2]),
+        run("edge0-prerouter", 0, 0.9, [1, 3]),
+        run("stock", 1, 2.0, [1, 2]),
+        run("edge0-exact", 1, 1.8, [1, 2]),
+        run("edge0-prerouter", 1, 2.2, [1, 2]),
+    ]
     arms = summarize(runs)["arms"]
     assert arms["edge0-exact/cold"]["decode_vs_stock_paired"] == pytest.approx({"median": 0.85, "min": 0.8, "max": 0.9})
     assert arms["edge0-prerouter/cold"]["tokens_equal_reference"] == {"same": 1, "rounds": 2}
@@ -293,5 +320,6 @@ def test_prerouted_arms_pair_with_the_on_demand_arm_of_their_page_cache_policy()
     assert pairs == [("edge0-exact", "edge0-prerouter@0"), ("edge0-exact+bypass", "edge0-prerouter+bypass@0"),
                      ("edge0-exact+bypass", "edge0-prerouter-window+bypass@0")]  # fmt: skip
     assert [(od["arm"], pr["arm"]) for od, pr in _prerouted_pairs(summary, "0.5", "cold")] == [
-        ("edge0-hot@0.5", "edge0-prerouter@0.5")]
+        ("edge0-hot@0.5", "edge0-prerouter@0.5")
+    ]
     assert _prerouted_pairs(summary, "0", "warm") == []  # no on-demand arm ran warm

@@ -39,7 +39,7 @@ def test_convert_info_generate(converted, tmp_path):
     )
     r = runner.invoke(main, ["generate", "--model", str(out), "--max-tokens", "8", "--stats", "--json"])
     assert r.exit_code == 0, r.output
-    stats = json.loads(r.output[r.output.index("{"):])["edge0_stats"]
+    stats = json.loads(r.output[r.output.index("{") :])["edge0_stats"]
     assert stats["expert_loads"] > 0 and stats["bytes_read"] > 0
     assert "generation: 8 tokens" in r.output
     assert "sampling: greedy, seed 0\n" in r.output  # no generation_config.json in this checkpoint
@@ -75,7 +75,7 @@ def test_staged_window_flag_reaches_the_model_and_bad_values_fail_clearly():
     for window in ("0", "3"):  # the default model has 5 prerouted layers
         r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", window, "--json"])
         assert r.exit_code == 0, r.output
-        stats = json.loads(r.output[r.output.index("{"):])["edge0_stats"]
+        stats = json.loads(r.output[r.output.index("{") :])["edge0_stats"]
         assert stats["prerouted"] > 0
         staged[window] = stats["resident_bytes"]["staged"]
     assert staged["3"] * 5 == staged["0"] * 3

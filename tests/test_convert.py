@@ -28,7 +28,8 @@ TOKENS = mx.array([[5, 17, 99, 3, 250, 7, 7, 31]])
 def _tree_hash(path: Path) -> dict[str, str]:
     return {
         str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-        for f in sorted(path.rglob("*")) if f.is_file()
+        for f in sorted(path.rglob("*"))
+        if f.is_file()
     }
 
 
@@ -44,8 +45,13 @@ def qwen(tmp_path_factory, tokenizer_dir):
 
 @pytest.mark.parametrize(
     "family,form",
-    [("qwen3_moe", "mlx-fp"), ("qwen3_moe", "hf-experts"), ("bailing_moe", "hf-experts"),
-     ("qwen3_5_moe", "hf-fused"), ("bailing_moe_v3", "mlx-fp")],
+    [
+        ("qwen3_moe", "mlx-fp"),
+        ("qwen3_moe", "hf-experts"),
+        ("bailing_moe", "hf-experts"),
+        ("qwen3_5_moe", "hf-fused"),
+        ("bailing_moe_v3", "mlx-fp"),
+    ],
 )
 def test_source_forms_convert_to_the_stock_int4_model(tmp_path, tokenizer_dir, family, form):
     model, config = tiny.build_tiny_model(family, seed=0)
@@ -110,8 +116,9 @@ def test_cli_convert_prints_bars_warnings_as_one_line_and_no_mlx_lm_info(tmp_pat
     tiny.save_mlx(model, config, src_float, tokenizer_dir)
     r = CliRunner().invoke(main, ["convert", str(src8), str(tmp_path / "out8")])
     assert r.exit_code == 0, r.output
-    assert (f"warning: {src8}: experts are 8-bit group 64; re-quantizing to 4-bit group 64 "
-            "(quality may change)\n") in r.output
+    assert (
+        f"warning: {src8}: experts are 8-bit group 64; re-quantizing to 4-bit group 64 (quality may change)\n"
+    ) in r.output
     assert "warnings.warn" not in r.output and "UserWarning" not in r.output
     r = CliRunner().invoke(main, ["convert", str(src_float), str(tmp_path / "out-bf16")])
     assert r.exit_code == 0, r.output
@@ -188,8 +195,7 @@ def test_sigterm_mid_conversion_leaves_no_out(tmp_path, qwen):
         m._write_layer = slow
         m.convert({str(ref)!r}, {str(out)!r}, m.ConvertOptions(show_progress=False))
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
     assert any(p.name.startswith(".out.edge0-tmp") for p in tmp_path.iterdir())
     proc.send_signal(signal.SIGTERM)

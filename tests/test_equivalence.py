@@ -27,8 +27,7 @@ N_TOKENS = 64
 
 def greedy(model, prompt_ids, n=N_TOKENS):
     tokens = []
-    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n,
-                                prompt_cache=make_prompt_cache(model)):
+    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n, prompt_cache=make_prompt_cache(model)):
         tokens.append(int(tok))
     return tokens
 
@@ -82,10 +81,25 @@ def test_native_dtype_matches_stock_bf16(converted):
 
 def _edge0_text_via_mlx_lm(path, prompt, n):
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(path),
-         "--trust-remote-code", "--prompt", prompt, "--max-tokens", str(n),
-         "--ignore-chat-template", "--temp", "0"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "generate",
+            "--model",
+            str(path),
+            "--trust-remote-code",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            str(n),
+            "--ignore-chat-template",
+            "--temp",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split("==========")[1].strip("\n")
@@ -107,9 +121,10 @@ def test_stock_mlx_lm_generate_cli(converted, family):
 def test_trust_remote_code_is_required(converted):
     c = converted("qwen3_moe")
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(c.edge0),
-         "--prompt", "hi", "--max-tokens", "2"],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(c.edge0), "--prompt", "hi", "--max-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode != 0
     assert "trust_remote_code" in out.stderr or "trust-remote-code" in out.stderr

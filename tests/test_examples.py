@@ -10,8 +10,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_convert_and_stream(tmp_path):
-    out = subprocess.run([sys.executable, str(EXAMPLES / "convert_and_stream.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "convert_and_stream.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "converted: 3 MoE layers" in out.stdout
     assert '"expert_loads"' in out.stdout and '"hot_hits"' in out.stdout

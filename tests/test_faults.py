@@ -151,8 +151,9 @@ def test_worker_exception_is_raised_in_the_caller_never_hangs(ckpt, monkeypatch)
 def _ask(client, stream: bool, seed=None) -> tuple[str, str | None]:
     """(text, finish_reason) of a greedy completion; a cut-off stream has no
     finish_reason."""
-    r = client.completions.create(model="default_model", prompt="def main():", max_tokens=24,
-                                  temperature=0.0, stream=stream, seed=seed)
+    r = client.completions.create(
+        model="default_model", prompt="def main():", max_tokens=24, temperature=0.0, stream=stream, seed=seed
+    )
     if not stream:
         return r.choices[0].text, r.choices[0].finish_reason
     text, finish = "", None
@@ -184,8 +185,7 @@ def test_served_fault_fails_the_request_and_serving_resumes(ckpt, backup, tmp_pa
     from test_server import EDGE0, free_port, running
 
     port, log = free_port(), tmp_path / "serve.log"
-    argv = [*EDGE0, "serve", "--model", str(ckpt), "--port", str(port), "--cache-gib", "0",
-            "--prefill-step-size", "16"]
+    argv = [*EDGE0, "serve", "--model", str(ckpt), "--port", str(port), "--cache-gib", "0", "--prefill-step-size", "16"]
     with running(argv, port, log) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="edge0", max_retries=0, timeout=30)
         want = _ask(client, stream=False)

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from mlx_edge0 import tensorfile
 from mlx_edge0.tensorfile import DTYPES, TensorFileError, nbytes_of, read_header
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 class TrackedFile(io.FileIO):
@@ -75,11 +76,15 @@ def real() -> bytes:
     """A real safetensors file (written by MLX), a few small tensors."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "real.safetensors"
-        mx.save_safetensors(str(path), {
-            "a.weight": mx.arange(24, dtype=mx.uint32).reshape(4, 6),
-            "a.scales": mx.ones((4, 2), mx.bfloat16),
-            "b": mx.zeros((3,), mx.float32),
-        }, metadata={"format": "mlx"})
+        mx.save_safetensors(
+            str(path),
+            {
+                "a.weight": mx.arange(24, dtype=mx.uint32).reshape(4, 6),
+                "a.scales": mx.ones((4, 2), mx.bfloat16),
+                "b": mx.zeros((3,), mx.float32),
+            },
+            metadata={"format": "mlx"},
+        )
         data = path.read_bytes()
     assert isinstance(parse(data), tensorfile.TensorHeader)
     return data
@@ -101,16 +106,21 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=16,
 )
-ENTRY = st.fixed_dictionaries({
-    "dtype": st.sampled_from([*DTYPES, "F64", "", "u8"]) | JSON,
-    "shape": st.lists(st.integers(-2, 64), max_size=3) | JSON,
-    "data_offsets": st.lists(st.integers(-8, 4096), min_size=2, max_size=2) | JSON,
-})
+ENTRY = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from([*DTYPES, "F64", "", "u8"]) | JSON,
+        "shape": st.lists(st.integers(-2, 64), max_size=3) | JSON,
+        "data_offsets": st.lists(st.integers(-8, 4096), min_size=2, max_size=2) | JSON,
+    }
+)
 
 
 @FUZZ
-@given(st.dictionaries(st.text(max_size=6), ENTRY | JSON, max_size=5), st.integers(0, 4096),
-       st.sampled_from(["exact", "short", "long"]))
+@given(
+    st.dictionaries(st.text(max_size=6), ENTRY | JSON, max_size=5),
+    st.integers(0, 4096),
+    st.sampled_from(["exact", "short", "long"]),
+)
 def test_random_headers(header, data_bytes, length_field):
     raw = json.dumps(header, allow_nan=True).encode()
     n = {"exact": len(raw), "short": len(raw) // 2, "long": len(raw) + data_bytes + 1}[length_field]
@@ -121,7 +131,7 @@ def test_random_headers(header, data_bytes, length_field):
 @given(st.data())
 def test_mutated_real_headers(real, data):
     (n,) = struct.unpack("<Q", real[:8])
-    header = json.loads(real[8:8 + n])
+    header = json.loads(real[8 : 8 + n])
     names = sorted(k for k in header if k != "__metadata__")
     name = data.draw(st.sampled_from(names))
     field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets", "entry", "metadata"]))
@@ -132,16 +142,16 @@ def test_mutated_real_headers(real, data):
     elif field == "data_offsets":
         a, b = header[name]["data_offsets"]
         delta = data.draw(st.integers(-64, 64) | st.sampled_from([2**63, -(2**63), 2**64]))
-        header[name]["data_offsets"] = data.draw(st.sampled_from([[a + delta, b], [a, b + delta],
-                                                                   [a + delta, b + delta]]))
+        header[name]["data_offsets"] = data.draw(
+            st.sampled_from([[a + delta, b], [a, b + delta], [a + delta, b + delta]])
+        )
     else:
         header[name][field] = data.draw(ENTRY)[field]
     raw = json.dumps(header).encode()
-    tail = real[8 + n:]
+    tail = real[8 + n :]
     cut = data.draw(st.integers(0, len(tail)))
     flips = data.draw(st.lists(st.tuples(st.integers(0, len(raw) + 7), st.integers(0, 255)), max_size=3))
     out = bytearray(struct.pack("<Q", len(raw)) + raw + tail[:cut])
     for i, byte in flips:
         out[i] = byte
     parse(bytes(out))
-

@@ -37,8 +37,12 @@ KNOWN_CYCLES = {
 }
 # The modules that may import click: the command line.
 CLI_MODULES = {
-    "mlx_edge0.cli", "mlx_edge0.flags", "mlx_edge0.serve",
-    "mlx_edge0.bench.commands", "mlx_edge0.train.commands", "mlx_edge0.train.phase_commands",
+    "mlx_edge0.cli",
+    "mlx_edge0.flags",
+    "mlx_edge0.serve",
+    "mlx_edge0.bench.commands",
+    "mlx_edge0.train.commands",
+    "mlx_edge0.train.phase_commands",
 }
 IMPORT_TIMEOUT_S = 120  # per module; all of them together take well under this on 2 cores
 
@@ -112,8 +116,12 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 
 def test_the_graph_covers_every_package():
     modules = package_modules()
-    assert {"mlx_edge0.cli", "mlx_edge0.bench.commands", "mlx_edge0.model_patches.bailing",
-            "mlx_edge0.conversions.converter"} <= set(modules)
+    assert {
+        "mlx_edge0.cli",
+        "mlx_edge0.bench.commands",
+        "mlx_edge0.model_patches.bailing",
+        "mlx_edge0.conversions.converter",
+    } <= set(modules)
     assert Path(mlx_edge0.__file__).resolve().parent == PACKAGE_DIRS["mlx_edge0"]
 
 
@@ -126,9 +134,14 @@ def test_no_import_cycles_but_the_known_ones():
 
 def test_click_only_in_the_command_line():
     modules = package_modules()
-    users = {name for name, (path, is_package) in modules.items()
-             if any(n == "click" or n.startswith("click.")
-                    for n in imported_names(path, name if is_package else name.rpartition(".")[0]))}
+    users = {
+        name
+        for name, (path, is_package) in modules.items()
+        if any(
+            n == "click" or n.startswith("click.")
+            for n in imported_names(path, name if is_package else name.rpartition(".")[0])
+        )
+    }
     assert users <= CLI_MODULES, f"click imported outside the CLI modules: {sorted(users - CLI_MODULES)}"
 
 
@@ -139,8 +152,9 @@ def test_every_module_imports_alone():
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 
     def import_alone(name: str) -> tuple[str, int, str]:
-        r = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True,
-                           timeout=IMPORT_TIMEOUT_S, env=env)
+        r = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S, env=env
+        )
         return name, r.returncode, (r.stderr.strip().splitlines() or [""])[-1]
 
     start = time.monotonic()

@@ -248,8 +248,12 @@ def test_loads_never_mix_two_conversions_while_convert_force_replaces_out(tmp_pa
     expected = [_fingerprints(s, layers) for s in sources]
     out = tmp_path / "out"
     convert(sources[0], out, QUIET)
-    proc = subprocess.Popen([sys.executable, "-c", CONVERT_LOOP, str(sources[0]), str(sources[1]), str(out),
-                             str(RACE_SECONDS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONVERT_LOOP, str(sources[0]), str(sources[1]), str(out), str(RACE_SECONDS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     loads, mixed, failed = 0, [], []
     try:
         deadline = time.monotonic() + RACE_SECONDS
@@ -262,8 +266,7 @@ def test_loads_never_mix_two_conversions_while_convert_force_replaces_out(tmp_pa
             got = _loaded_prints(model, layers)
             model.edge0_runtime.store.close()
             loads += 1
-            held = {part: [i for i, want in enumerate(expected) if want[part] == value]
-                    for part, value in got.items()}
+            held = {part: [i for i, want in enumerate(expected) if want[part] == value] for part, value in got.items()}
             if len({tuple(v) for v in held.values()}) != 1 or any(len(v) != 1 for v in held.values()):
                 mixed.append(held)
     finally:

@@ -44,6 +44,7 @@ def _trained_like(model, seed: int = 3) -> None:
 @pytest.fixture
 def with_adapters(converted, tmp_path):
     """A checkpoint copy with heads and saved adapters -> (path, logits with them, logits without)."""
+
     def make(family: str):
         path = copy_with_heads(converted, tmp_path, family)
         model = load_model(path, cache_gib=0)
@@ -52,6 +53,7 @@ def with_adapters(converted, tmp_path):
         adapted = model(TOKENS)
         lora.save_adapters(path, model, path, lora.consumer_k(model))
         return path, adapted, base
+
     return make
 
 
@@ -61,8 +63,9 @@ def test_targets_are_resident_projections_never_routers_or_experts(converted, fa
     targets = lora.lora_targets(model)
     assert set(targets.values()) == KINDS[family]
     modules = dict(model.named_modules())
-    routers = {id(m) for layer in model.edge0_section.moe_layers
-               for _, m in model.layers[layer].mlp.gate.named_modules()}
+    routers = {
+        id(m) for layer in model.edge0_section.moe_layers for _, m in model.layers[layer].mlp.gate.named_modules()
+    }
     for path in targets:
         assert id(modules[path]) not in routers
         assert "switch_mlp" not in path and ".mlp.experts." not in path and not path.endswith("_gate")
@@ -137,17 +140,34 @@ BAD = [
     ("tensors missing", lambda p: (p / ADAPTERS_FILE).unlink(), ADAPTERS_FILE, "missing"),
     ("not json", lambda p: (p / ADAPTER_CONFIG_FILE).write_text("{"), ADAPTER_CONFIG_FILE, "not a valid"),
     ("format", lambda p: _edit(p, _set("format", "peft")), ADAPTER_CONFIG_FILE, "not an edge0 adapter"),
-    ("router target", lambda p: _edit(p, lambda c: c["edge0"]["targets"].append("model.layers.1.mlp.gate")),
-     ADAPTER_CONFIG_FILE, "not a LoRA target"),
+    (
+        "router target",
+        lambda p: _edit(p, lambda c: c["edge0"]["targets"].append("model.layers.1.mlp.gate")),
+        ADAPTER_CONFIG_FILE,
+        "not a LoRA target",
+    ),
     ("other model", lambda p: _edit(p, _set("source_hash", "0" * 64)), ADAPTER_CONFIG_FILE, "another model"),
     ("K", lambda p: _edit(p, _set("k", 2)), ADAPTER_CONFIG_FILE, "K=2"),
-    ("rank", lambda p: _edit(p, lambda c: c["lora_parameters"].__setitem__("rank", 8)), ADAPTERS_FILE,
-     "expected a float tensor of shape"),
-    ("tensor set", lambda p: mx.save_safetensors(
-        str(p / ADAPTERS_FILE), {k: v for k, v in list(mx.load(str(p / ADAPTERS_FILE)).items())[1:]}),
-     ADAPTERS_FILE, "do not match"),
-    ("truncated", lambda p: (p / ADAPTERS_FILE).write_bytes((p / ADAPTERS_FILE).read_bytes()[:200]),
-     ADAPTERS_FILE, "truncated"),
+    (
+        "rank",
+        lambda p: _edit(p, lambda c: c["lora_parameters"].__setitem__("rank", 8)),
+        ADAPTERS_FILE,
+        "expected a float tensor of shape",
+    ),
+    (
+        "tensor set",
+        lambda p: mx.save_safetensors(
+            str(p / ADAPTERS_FILE), {k: v for k, v in list(mx.load(str(p / ADAPTERS_FILE)).items())[1:]}
+        ),
+        ADAPTERS_FILE,
+        "do not match",
+    ),
+    (
+        "truncated",
+        lambda p: (p / ADAPTERS_FILE).write_bytes((p / ADAPTERS_FILE).read_bytes()[:200]),
+        ADAPTERS_FILE,
+        "truncated",
+    ),
 ]
 
 
@@ -173,8 +193,9 @@ def test_generate_no_lora_flag(with_adapters):
     path, _, _ = with_adapters("qwen3_moe")
 
     def text(*flags):
-        result = CliRunner().invoke(main, ["generate", "--model", str(path), "-m", "12", "--cache-gib", "0",
-                                           *flags], catch_exceptions=False)
+        result = CliRunner().invoke(
+            main, ["generate", "--model", str(path), "-m", "12", "--cache-gib", "0", *flags], catch_exceptions=False
+        )
         assert result.exit_code == 0, result.output
         return result.stdout
 

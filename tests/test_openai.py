@@ -51,8 +51,17 @@ def server(converted, tmp_path_factory):
     root = tmp_path_factory.mktemp("openai")
     ckpt = checkpoint_with_heads_and_adapters(converted("qwen3_next").edge0, root / "ckpt")
     port = free_port()
-    argv = [sys.executable, "-c", "from mlx_edge0.cli import main; main()", "serve",
-            "--model", str(ckpt), "--port", str(port), *FLAGS]
+    argv = [
+        sys.executable,
+        "-c",
+        "from mlx_edge0.cli import main; main()",
+        "serve",
+        "--model",
+        str(ckpt),
+        "--port",
+        str(port),
+        *FLAGS,
+    ]
     with running(argv, port, root / "serve.log") as (url, _):
         yield ckpt, url
 
@@ -76,8 +85,9 @@ def prompt_ids(tokenizer, req: Request) -> list[int]:
 
 
 def greedy_tokens(model, ids: list[int], n: int) -> list[int]:
-    steps = generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=make_prompt_cache(model),
-                          prefill_step_size=PREFILL_STEP)
+    steps = generate_step(
+        mx.array(ids), model, max_tokens=n, prompt_cache=make_prompt_cache(model), prefill_step_size=PREFILL_STEP
+    )
     return [int(t) for t, _ in steps]
 
 
@@ -101,14 +111,19 @@ def expected(local, req: Request) -> Answer:
             return Answer(text_of(tokenizer, tokens[:i]), "stop", i + 1)
         for word in req.stop:
             w = tokenizer.encode(word, add_special_tokens=False)
-            if tokens[max(0, i + 1 - len(w)): i + 1] == w:
+            if tokens[max(0, i + 1 - len(w)) : i + 1] == w:
                 return Answer(text_of(tokenizer, tokens[: i + 1 - len(w)]), "stop", i + 1)
     return Answer(text_of(tokenizer, tokens), "length", len(tokens))
 
 
 def ask(client, req: Request, stop_after_chunks: int | None = None) -> Answer:
-    common = dict(model="default_model", max_tokens=req.max_tokens, temperature=0.0, stream=req.stream,
-                  stop=list(req.stop) or None)
+    common = dict(
+        model="default_model",
+        max_tokens=req.max_tokens,
+        temperature=0.0,
+        stream=req.stream,
+        stop=list(req.stop) or None,
+    )
     if req.kind == "chat":
         r = client.chat.completions.create(messages=list(req.prompt), **common)
     else:
@@ -156,9 +171,12 @@ def test_stop_sequence(client, local, stream):
     plain = Request("completion", "def main():", max_tokens=30)
     tokens = greedy_tokens(model, prompt_ids(tokenizer, plain), plain.max_tokens)
     # a two-token word the tokenizer spells back the same way, first seen mid-answer
-    word = next(w for k in range(3, 25)
-                if tokenizer.encode(w := tokenizer.decode(tokens[k:k + 2]), add_special_tokens=False)
-                == tokens[k:k + 2] and w not in tokenizer.decode(tokens[:k + 1]))
+    word = next(
+        w
+        for k in range(3, 25)
+        if tokenizer.encode(w := tokenizer.decode(tokens[k : k + 2]), add_special_tokens=False) == tokens[k : k + 2]
+        and w not in tokenizer.decode(tokens[: k + 1])
+    )
     req = Request("completion", "def main():", stream, max_tokens=30, stop=(word,))
     got, want = ask(client, req), expected(local, req)
     assert want.finish_reason == "stop" and len(want.text) < len(expected(local, plain).text)
@@ -168,11 +186,11 @@ def test_stop_sequence(client, local, stream):
 def test_long_prompt_spans_many_prefill_chunks(client, local):
     req = Request("completion", LONG_PROMPT)
     assert len(prompt_ids(local[1], req)) > 8 * PREFILL_STEP
-    r = client.completions.create(model="default_model", prompt=req.prompt, max_tokens=MAX_TOKENS,
-                                  temperature=0.0)
+    r = client.completions.create(model="default_model", prompt=req.prompt, max_tokens=MAX_TOKENS, temperature=0.0)
     assert r.usage.prompt_tokens == len(prompt_ids(local[1], req))
-    assert _matches(Answer(r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens),
-                    expected(local, req))
+    assert _matches(
+        Answer(r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens), expected(local, req)
+    )
 
 
 MIXED = [

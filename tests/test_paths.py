@@ -134,8 +134,10 @@ def test_batches_and_multi_chunk_prompts_stay_exact(converted, name):
     prompt = mx.array(np.random.default_rng(1).integers(0, 500, 50))
 
     def run(m):
-        return [int(t) for t, _ in generate_step(prompt, m, max_tokens=12, prefill_step_size=16,
-                                                 prompt_cache=make_prompt_cache(m))]
+        return [
+            int(t)
+            for t, _ in generate_step(prompt, m, max_tokens=12, prefill_step_size=16, prompt_cache=make_prompt_cache(m))
+        ]
 
     assert run(model) == run(stock)
 

@@ -33,7 +33,7 @@ def _rows(path, batch: int = 2, length: int = 24) -> mx.array:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     ids = load_tokenizer(path).encode(TEXT * 2)
-    return mx.array([ids[i:i + length] for i in range(0, batch * 3, 3)])
+    return mx.array([ids[i : i + length] for i in range(0, batch * 3, 3)])
 
 
 def _one_step_lowers(module: nn.Module, loss, learning_rate: float) -> tuple[float, float]:
@@ -62,7 +62,8 @@ def test_one_step_lowers_the_heads_loss(converted, family):
     before, after = _one_step_lowers(heads, loss, 1e-3)
     assert after < before
     assert not model.trainable_parameters() or not any(
-        v.size for _, v in nn.utils.tree_flatten(model.trainable_parameters()))
+        v.size for _, v in nn.utils.tree_flatten(model.trainable_parameters())
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -116,8 +117,20 @@ def _invoke(command, args):
 def test_phase_commands_drop_files_in_resume_and_evaluate(converted, tmp_path):
     family = "qwen3_next"
     path, teacher = copy_with_heads(converted, tmp_path, family), converted(family).source
-    common = ["--batch-size", 2, "--seq-len", 32, "--max-files", 2, "--eval-windows", 2,
-              "--checkpoint-every", 2, "--warmup-steps", 0]
+    common = [
+        "--batch-size",
+        2,
+        "--seq-len",
+        32,
+        "--max-files",
+        2,
+        "--eval-windows",
+        2,
+        "--checkpoint-every",
+        2,
+        "--warmup-steps",
+        0,
+    ]
     gen = ["--sequences", 4, "--prompt-tokens", 6, "--new-tokens", 10]
     heads_before = (path / "prerouter.safetensors").read_bytes()
     _invoke(heads_command, [path, "--out", tmp_path / "run1", "--steps", 2, *common])
@@ -138,17 +151,58 @@ def test_phase_commands_drop_files_in_resume_and_evaluate(converted, tmp_path):
     assert (tmp_path / "run2" / "sft_data.npy").read_bytes() == data
 
     sft_adapters = (path / lora.ADAPTERS_FILE).read_bytes()
-    _invoke(distill_command, [path, "--out", tmp_path / "run3", "--steps", 2, "--teacher", teacher,
-                              *common, "--sequences", 2, "--prompt-tokens", 6, "--new-tokens", 10])
+    _invoke(
+        distill_command,
+        [
+            path,
+            "--out",
+            tmp_path / "run3",
+            "--steps",
+            2,
+            "--teacher",
+            teacher,
+            *common,
+            "--sequences",
+            2,
+            "--prompt-tokens",
+            6,
+            "--new-tokens",
+            10,
+        ],
+    )
     assert (path / lora.ADAPTERS_FILE).read_bytes() != sft_adapters
 
-    result = _invoke(main, ["eval", path, "--teacher", teacher, "--sft", tmp_path / "run2", "--distill",
-                            tmp_path / "run3", "--windows", 2, "--seq-len", 32, "--max-files", 2,
-                            "--json", tmp_path / "eval.json"])
+    result = _invoke(
+        main,
+        [
+            "eval",
+            path,
+            "--teacher",
+            teacher,
+            "--sft",
+            tmp_path / "run2",
+            "--distill",
+            tmp_path / "run3",
+            "--windows",
+            2,
+            "--seq-len",
+            32,
+            "--max-files",
+            2,
+            "--json",
+            tmp_path / "eval.json",
+        ],
+    )
     evaluation = json.loads((tmp_path / "eval.json").read_text())
     rows = [r["row"] for r in evaluation["rows"]]
-    assert rows == ["fp teacher", "int4, exact routing", "int4 + warm-start heads", "int4 + checkpoint heads",
-                    "int4 + heads + SFT LoRA", "int4 + heads + distill LoRA"]
+    assert rows == [
+        "fp teacher",
+        "int4, exact routing",
+        "int4 + warm-start heads",
+        "int4 + checkpoint heads",
+        "int4 + heads + SFT LoRA",
+        "int4 + heads + distill LoRA",
+    ]
     assert set(evaluation["head_recall"]) == {"warm_start", "checkpoint"}
     survival = evaluation["merge_survival"]["distill LoRA"]
     assert set(survival["weights"]) == {"attention", "linear_attention", "shared_expert", "dense_mlp"}
@@ -185,8 +239,9 @@ def test_generated_rows_are_the_same_with_and_without_a_bar(converted, capsys):
 
 def test_distill_needs_phase_2_adapters(converted, tmp_path):
     path = copy_with_heads(converted, tmp_path, "qwen3_moe")
-    result = CliRunner().invoke(distill_command, [str(path), "--out", str(tmp_path / "run"), "--teacher",
-                                                  str(converted("qwen3_moe").source)])
+    result = CliRunner().invoke(
+        distill_command, [str(path), "--out", str(tmp_path / "run"), "--teacher", str(converted("qwen3_moe").source)]
+    )
     assert result.exit_code != 0 and "run `edge0 train sft` first" in result.output
 
 
@@ -196,8 +251,9 @@ def check_quality_ordering(checkpoint, teacher) -> dict:
     trained heads less, the recovery LoRA less again."""
     from mlx_edge0.evaluate import EvalOptions, evaluate
 
-    result = evaluate(checkpoint, teacher, options=EvalOptions(seq_len=128, windows=6, batch_size=6),
-                      log=lambda m: None)
+    result = evaluate(
+        checkpoint, teacher, options=EvalOptions(seq_len=128, windows=6, batch_size=6), log=lambda m: None
+    )
     ppl = {r["row"]: r["ppl"] for r in result["rows"]}
     teacher_ppl = ppl.pop("fp teacher")
     exact = ppl.pop("int4, exact routing")

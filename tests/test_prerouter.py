@@ -29,6 +29,7 @@ def with_heads(converted, tmp_path):
         result = CliRunner().invoke(main, ["heads", "init", str(path)])
         assert result.exit_code == 0, result.output
         return path
+
     return make
 
 
@@ -83,7 +84,11 @@ def test_heads_init_writes_files_that_load_and_show(with_heads):
     path = with_heads("bailing_moe_v3")
     config = json.loads((path / "config.json").read_text())
     assert config["edge0"]["prerouter"] == {
-        "file": PREROUTER_FILE, "owners": [1, 2], "consumers": [2, 3], "k": 4, "hidden": 512,
+        "file": PREROUTER_FILE,
+        "owners": [1, 2],
+        "consumers": [2, 3],
+        "k": 4,
+        "hidden": 512,
     }
     model = mlx_edge0.load_model(path)
     assert sorted(model.edge0_runtime.heads) == [1, 2]

@@ -33,7 +33,9 @@ def test_regime_is_validated():
         Regime(memory_cap_gib=0)
     with pytest.raises(ValueError, match="read throughput must be a positive"):
         Regime(read_mbps=-1)
-    assert Regime(1.5, 50).label() == "memory capped at 1.5 GiB (page cache included), device reads throttled to 50 MB/s"
+    assert (
+        Regime(1.5, 50).label() == "memory capped at 1.5 GiB (page cache included), device reads throttled to 50 MB/s"
+    )
     assert not Regime().active
 
 
@@ -58,11 +60,13 @@ def test_an_oom_kill_is_a_result_and_the_cgroup_is_removed(tmp_path):
     name = f"edge0-test-{os.getpid()}"
     with ArmCgroup(regime, layout, None, name) as cgroup:
         assert (layout.memory / name / "cgroup.procs").is_file()
-        small = subprocess.run([sys.executable, "-c", ALLOCATE, "1"], preexec_fn=cgroup.join,
-                               capture_output=True, text=True, timeout=60)
+        small = subprocess.run(
+            [sys.executable, "-c", ALLOCATE, "1"], preexec_fn=cgroup.join, capture_output=True, text=True, timeout=60
+        )
         assert small.returncode == 0 and cgroup.stats()["oom_kills"] == 0
-        big = subprocess.run([sys.executable, "-c", ALLOCATE, "8"], preexec_fn=cgroup.join,
-                             capture_output=True, text=True, timeout=60)
+        big = subprocess.run(
+            [sys.executable, "-c", ALLOCATE, "8"], preexec_fn=cgroup.join, capture_output=True, text=True, timeout=60
+        )
         stats = cgroup.stats()
     assert big.returncode == -9 and stats["oom_kills"] >= 1
     assert 0.2 * 2**30 < stats["cgroup_peak_bytes"] <= 0.25 * 2**30
@@ -80,8 +84,9 @@ def test_reads_are_throttled_and_counted_at_the_device(tmp_path):
     name = f"edge0-test-io-{os.getpid()}"
     with ArmCgroup(regime, layout, block_device(data), name) as cgroup:
         t0 = time.perf_counter()
-        read = subprocess.run([sys.executable, "-c", READ, str(data)], preexec_fn=cgroup.join,
-                              capture_output=True, text=True, timeout=120)
+        read = subprocess.run(
+            [sys.executable, "-c", READ, str(data)], preexec_fn=cgroup.join, capture_output=True, text=True, timeout=120
+        )
         seconds = time.perf_counter() - t0
         stats = cgroup.stats()
     assert read.returncode == 0 and int(read.stdout) == 24 * 1000 * 1000
@@ -104,8 +109,24 @@ def test_bench_run_in_a_capped_cgroup_reports_oom_as_a_result(converted, tmp_pat
     regime = Regime(memory_cap_gib=0.015, read_mbps=200)
     skip_unless_available(regime, conv.edge0)
     before = set(own_cgroups().memory.iterdir())
-    common = ["bench", "run", "--stock", str(conv.source), "--edge0", str(conv.edge0), "--rounds", "1",
-              "--prompt-tokens", "4", "--decode-tokens", "2", "--cache", "cold", "--read-mbps", "200"]
+    common = [
+        "bench",
+        "run",
+        "--stock",
+        str(conv.source),
+        "--edge0",
+        str(conv.edge0),
+        "--rounds",
+        "1",
+        "--prompt-tokens",
+        "4",
+        "--decode-tokens",
+        "2",
+        "--cache",
+        "cold",
+        "--read-mbps",
+        "200",
+    ]
     tight = CliRunner().invoke(main, [*common, "--memory-cap", "0.015", "--out", str(tmp_path / "tight.json")])
     assert tight.exit_code == 0, tight.output
     runs = json.loads((tmp_path / "tight.json").read_text())["runs"]
@@ -127,5 +148,10 @@ def test_a_memory_cap_refuses_a_warm_page_cache(converted, tmp_path):
     conv = converted("qwen3_moe")
     skip_unless_available(Regime(memory_cap_gib=1), conv.edge0)
     with pytest.raises(ValueError, match="a memory cap needs a cold page cache"):
-        BenchOptions(out=tmp_path / "r.json", edge0=conv.edge0, arms=("edge0-exact",), caches=("warm",),
-                     regime=Regime(memory_cap_gib=1))
+        BenchOptions(
+            out=tmp_path / "r.json",
+            edge0=conv.edge0,
+            arms=("edge0-exact",),
+            caches=("warm",),
+            regime=Regime(memory_cap_gib=1),
+        )

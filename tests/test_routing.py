@@ -67,8 +67,14 @@ def test_group_select_matches_bailing_moe_gate(score_function):
     x = mx.random.normal((2, 9, config["hidden_size"]))
     want_inds, want_scores = gate(x)
     inds, scores = group_select(
-        gate.gate_proj(x), gate.expert_bias, gate.top_k, gate.n_group, gate.topk_group,
-        gate.routed_scaling_factor, gate.norm_topk_prob, gate.score_function,
+        gate.gate_proj(x),
+        gate.expert_bias,
+        gate.top_k,
+        gate.n_group,
+        gate.topk_group,
+        gate.routed_scaling_factor,
+        gate.norm_topk_prob,
+        gate.score_function,
     )
     assert mx.array_equal(inds, want_inds).item()
     assert mx.array_equal(scores, want_scores).item()
@@ -85,7 +91,11 @@ def test_sigmoid_group_matches_bailing_v3_gate():
     want_inds, want_scores = gate(x)
     logits = x.astype(mx.float32) @ gate.weight.astype(mx.float32).T
     inds, scores = sigmoid_group(
-        logits, gate.expert_bias, gate.top_k, gate.n_group, gate.topk_group,
+        logits,
+        gate.expert_bias,
+        gate.top_k,
+        gate.n_group,
+        gate.topk_group,
         gate.routed_scaling_factor,
     )
     assert mx.array_equal(inds, want_inds).item()

@@ -43,8 +43,9 @@ def serve(ckpt: Path, port: int, log: Path, *flags: str, home: Path | None = Non
     env = {**os.environ}
     if home is not None:  # no hub cache anywhere
         env.update(HOME=str(home), HF_HOME=str(home / "hf"))
-    return running([*EDGE0, "serve", "--model", str(ckpt), "--port", str(port), "--cache-gib", "0", *flags],
-                   port, log, env=env)
+    return running(
+        [*EDGE0, "serve", "--model", str(ckpt), "--port", str(port), "--cache-gib", "0", *flags], port, log, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,11 @@ KILLERS = {
     "empty prompt": ("/v1/completions", {"prompt": ""}, "prompt is empty"),
     "stop entry not a string": ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop must be"),
     "stop entry null": ("/v1/completions", {"prompt": "x", "stop": [None]}, "stop must be"),
-    "logit_bias past the vocabulary": ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}},
-                                       "outside the vocabulary"),
+    "logit_bias past the vocabulary": (
+        "/v1/completions",
+        {"prompt": "x", "logit_bias": {"99999999": 1}},
+        "outside the vocabulary",
+    ),
     "negative logit_bias id": ("/v1/completions", {"prompt": "x", "logit_bias": {"-5": 1}}, "outside the vocabulary"),
     "top_k above the vocabulary": ("/v1/completions", {"prompt": "x", "top_k": 10**9}, "top_k must be at most"),
     "no messages": ("/v1/chat/completions", {"messages": []}, "messages must be a non-empty list"),
@@ -153,8 +157,10 @@ def abandon(url: str, body: dict, after_s: float) -> None:
     data = json.dumps(body).encode()
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(data) + data
+        )
         time.sleep(after_s)
 
 
@@ -185,7 +191,9 @@ def test_a_client_that_goes_away_stops_its_generation(server):
 def test_opted_in_long_prompt_is_served_and_abandoned_prefill_stops(ckpt, tmp_path):
     port = free_port()
     with serve(ckpt, port, tmp_path / "serve.log", "--max-prompt-tokens", "0", "--prefill-step-size", "32") as (
-            url, proc):
+        url,
+        proc,
+    ):
         code, body = post(url, "/v1/completions", {"prompt": "x = 1\n" * 1200, "max_tokens": 2}, timeout=300)
         assert code == 200 and body["usage"]["prompt_tokens"] > 4096
         pid = child_of(proc)
@@ -195,16 +203,23 @@ def test_opted_in_long_prompt_is_served_and_abandoned_prefill_stops(ckpt, tmp_pa
         assert_idle(pid)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--mod", "/etc"], "--model /etc: edge0 serve serves only the checkpoint it checked"),
-    (["--adapter-path", "/etc"], "--adapter-path /etc: edge0 serve runs the checkpoint's own"),
-    (["--draft-mod", "/etc"], "--draft-model /etc: edge0 serve runs the checkpoint's own"),
-    (["--trust-remote-code"], "--trust-remote-code: edge0 serve imports nothing"),
-    (["--hos", "0.0.0.0"], "--host/--port: give them to edge0 serve itself"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--mod", "/etc"], "--model /etc: edge0 serve serves only the checkpoint it checked"),
+        (["--adapter-path", "/etc"], "--adapter-path /etc: edge0 serve runs the checkpoint's own"),
+        (["--draft-mod", "/etc"], "--draft-model /etc: edge0 serve runs the checkpoint's own"),
+        (["--trust-remote-code"], "--trust-remote-code: edge0 serve imports nothing"),
+        (["--hos", "0.0.0.0"], "--host/--port: give them to edge0 serve itself"),
+    ],
+)
 def test_server_flags_that_would_change_the_model_are_refused(ckpt, flags, message):
-    result = subprocess.run([*EDGE0, "serve", "--model", str(ckpt), "--port", str(free_port()), *flags],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*EDGE0, "serve", "--model", str(ckpt), "--port", str(free_port()), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -223,8 +238,9 @@ def test_a_port_in_use_is_an_error_not_a_wait(ckpt):
     try:
         port = other.server_address[1]
         t0 = time.monotonic()
-        result = subprocess.run([*EDGE0, "serve", "--model", str(ckpt), "--port", str(port)],
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [*EDGE0, "serve", "--model", str(ckpt), "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 1 and time.monotonic() - t0 < 30
         assert f"cannot listen on 127.0.0.1:{port} (Address already in use)" in result.stderr
         assert "Traceback" not in result.stderr
@@ -243,8 +259,15 @@ def test_pinned_provider_loads_with_the_options_and_nothing_else(ckpt):
 
 
 def _stock_defaults() -> dict:
-    return dict(model=None, adapter_path=None, draft_model=None, trust_remote_code=False, chat_template="",
-                use_default_chat_template=False, pipeline=False)
+    return dict(
+        model=None,
+        adapter_path=None,
+        draft_model=None,
+        trust_remote_code=False,
+        chat_template="",
+        use_default_chat_template=False,
+        pipeline=False,
+    )
 
 
 def test_check_request_is_pure():

@@ -98,8 +98,7 @@ def checkpoint_with_heads_and_adapters(source: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(converted, tmp_path_factory):
-    return checkpoint_with_heads_and_adapters(converted("qwen3_next").edge0,
-                                              tmp_path_factory.mktemp("server") / "ckpt")
+    return checkpoint_with_heads_and_adapters(converted("qwen3_next").edge0, tmp_path_factory.mktemp("server") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +106,19 @@ def server(served, tmp_path_factory):
     """Stock mlx_lm.server on the checkpoint (prediction state per sequence
     and the adapters are what batching must keep apart and apply)."""
     port = free_port()
-    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(served),
-            "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        str(served),
+        "--trust-remote-code",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with running(argv, port, tmp_path_factory.mktemp("server-log") / "server.log") as (url, _):
         yield served, url
 

@@ -24,7 +24,10 @@ def test_plan_reads_coalesces_adjacent_experts():
     offsets = [i * 100 for i in range(10)]
     runs = plan_reads([1, 2, 3, 5, 6, 9], offsets, stride=100, max_run=2)
     assert [(r.first_row, r.ids, r.offset) for r in runs] == [
-        (0, (1, 2), 100), (2, (3,), 300), (3, (5, 6), 500), (5, (9,), 900)
+        (0, (1, 2), 100),
+        (2, (3,), 300),
+        (3, (5, 6), 500),
+        (5, (9,), 900),
     ]
     assert [r.ids for r in plan_reads([0, 1, 2], offsets, 100, 8)] == [(0, 1, 2)]
     assert plan_reads([], offsets, 100, 8) == []
@@ -70,12 +73,15 @@ def _dequantized_reference(x, inds, scores, path, layer):
     ref = mx.load(str(path / expert_file(layer)))
 
     def dense(e, proj):
-        return np.array(mx.dequantize(
-            ref[f"experts.{e}.{proj}.weight"],
-            ref[f"experts.{e}.{proj}.scales"].astype(mx.float32),
-            ref[f"experts.{e}.{proj}.biases"].astype(mx.float32),
-            group_size=64, bits=4,
-        ))
+        return np.array(
+            mx.dequantize(
+                ref[f"experts.{e}.{proj}.weight"],
+                ref[f"experts.{e}.{proj}.scales"].astype(mx.float32),
+                ref[f"experts.{e}.{proj}.biases"].astype(mx.float32),
+                group_size=64,
+                bits=4,
+            )
+        )
 
     xs = np.array(x).reshape(-1, x.shape[-1]).astype(np.float64)
     inds = np.array(inds).reshape(xs.shape[0], -1)
@@ -115,8 +121,7 @@ def test_direct_reads_land_any_range_in_any_views(tmp_path, monkeypatch):
     f.write_bytes(data.tobytes())
     fd = store_module.open_for_reads(f, bypass_page_cache=True)
     try:
-        for offset, sizes in [(0, [4096]), (1, [3]), (4095, [2, 9000, 1]), (12345, [1, 1, 20000]),
-                              (40000, [10000])]:
+        for offset, sizes in [(0, [4096]), (1, [3]), (4095, [2, 9000, 1]), (12345, [1, 1, 20000]), (40000, [10000])]:
             views = [memoryview(bytearray(n)) for n in sizes]
             assert store_module._pread_direct(fd, views, offset, f) == sum(sizes)
             got = np.concatenate([np.frombuffer(v, np.uint8) for v in views])
@@ -195,8 +200,11 @@ def test_filesystem_without_direct_reads_fails_at_load_naming_the_file(converted
     monkeypatch.setattr(store_module, "DIRECT_FLAG", os.O_DIRECT if hasattr(os, "O_DIRECT") else 0x4000)
     monkeypatch.setattr(os, "open", no_direct)
     path = converted("qwen3_moe").edge0
-    with pytest.raises(TensorFileError, match=r"layer_\d+\.safetensors: cannot open for direct reads "
-                                              r"\(O_DIRECT: Invalid argument\)"):
+    with pytest.raises(
+        TensorFileError,
+        match=r"layer_\d+\.safetensors: cannot open for direct reads "
+        r"\(O_DIRECT: Invalid argument\)",
+    ):
         mlx_edge0.load_model(path, page_cache="bypass")
 
 

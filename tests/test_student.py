@@ -63,7 +63,7 @@ def _served(model, tokens: mx.array, prefill: int = 0) -> mx.array:
         outs.append(model(tokens[:, :prefill], cache=cache))
         mx.eval(outs[-1])
     for t in range(prefill, tokens.shape[1]):
-        outs.append(model(tokens[:, t:t + 1], cache=cache))
+        outs.append(model(tokens[:, t : t + 1], cache=cache))
         mx.eval(outs[-1])
     return mx.concatenate(outs, axis=1)
 
@@ -96,7 +96,7 @@ def test_student_forward_matches_generate_step_convention(with_heads):
     generated = [int(t) for (t, _), _ in zip(generate_step(prompt, model, max_tokens=12), range(12))]
     tokens = mx.concatenate([prompt, mx.array(generated)])[None]
     logits = StudentPath(model)(tokens[:, :-1], gate_positions=1)
-    assert logits[0, prompt.size - 1:].argmax(axis=-1).tolist() == generated
+    assert logits[0, prompt.size - 1 :].argmax(axis=-1).tolist() == generated
 
 
 def test_batched_decode_equals_student_rows(with_heads):

@@ -106,9 +106,7 @@ def test_tokenizer_loads_offline(tokenizer_dir):
     assert len(ids) < len(TEXT.encode()) * 0.8  # merges were learned
     assert tok.decode(ids) == TEXT
     assert tok.convert_tokens_to_ids("<|im_end|>") == 2
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
     from mlx_lm.utils import load_tokenizer

@@ -50,8 +50,9 @@ def test_loop_lowers_the_loss(tmp_path):
     model = tiny_moe()
     fixed = random_batch(0)
     before = lm_loss(model, fixed).item()
-    log = run_loop(model, lm_loss, lambda step: fixed,
-                   LoopOptions(tmp_path, steps=8, learning_rate=1e-2, log_every=1), "fit")
+    log = run_loop(
+        model, lm_loss, lambda step: fixed, LoopOptions(tmp_path, steps=8, learning_rate=1e-2, log_every=1), "fit"
+    )
     after = lm_loss(model, fixed).item()
     assert after < before - 1.0, (before, after)
     losses = [e["loss"] for e in log if "loss" in e]
@@ -72,8 +73,7 @@ def test_only_trainable_parameters_change(tmp_path):
 def test_resume_after_interruption_is_bit_identical(tmp_path):
     options = dict(steps=7, learning_rate=5e-3, seed=3, checkpoint_every=2, log_every=3, warmup_steps=2)
     straight = tiny_moe()
-    straight_log = run_loop(straight, lm_loss, random_batch,
-                            LoopOptions(tmp_path / "a", **options), "straight")
+    straight_log = run_loop(straight, lm_loss, random_batch, LoopOptions(tmp_path / "a", **options), "straight")
 
     def dies_at_5(step):
         if step == 5:
@@ -103,9 +103,14 @@ def test_log_and_checkpoint_files(tmp_path):
         evals.append(1)
         return {"calls": len(evals)}
 
-    log = run_loop(tiny_moe(), lm_loss, random_batch,
-                   LoopOptions(tmp_path, steps=5, learning_rate=1e-3, checkpoint_every=2, log_every=2),
-                   "files", eval_fn=eval_fn)
+    log = run_loop(
+        tiny_moe(),
+        lm_loss,
+        random_batch,
+        LoopOptions(tmp_path, steps=5, learning_rate=1e-3, checkpoint_every=2, log_every=2),
+        "files",
+        eval_fn=eval_fn,
+    )
     written = json.loads((tmp_path / LOG_FILE).read_text())
     assert written["description"] == "files"
     assert written["log"] == log
@@ -162,6 +167,7 @@ def test_bad_loop_options(bad, message):
 
 # --- the stdlib corpus ---------------------------------------------------------------------
 
+
 def write_tree(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -184,8 +190,7 @@ def test_corpus_errors_name_the_problem(tmp_path):
         data.corpus_files(tmp_path)
     (tmp_path / "bad.py").write_bytes(b"x = '\xff'\n")
     with pytest.raises(ValueError, match=r"bad\.py: not UTF-8"):
-        data.split_corpus(tmp_path, fraction=0.5).texts("train" if not data.is_held_out("bad.py", 0.5)
-                                                        else "held_out")
+        data.split_corpus(tmp_path, fraction=0.5).texts("train" if not data.is_held_out("bad.py", 0.5) else "held_out")
     with pytest.raises(ValueError, match="fraction"):
         data.split_corpus(tmp_path, fraction=1.0)
 
@@ -272,6 +277,7 @@ def test_batches_and_eval_windows_reject_short_streams():
 
 # --- the base model -------------------------------------------------------------------------
 
+
 def test_base_config_builds_the_stock_model():
     config = base.base_config(4096)
     assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == []
@@ -343,8 +349,15 @@ def test_training_record_holds_no_path_of_the_build_machine(tmp_path):
     from mlx_edge0.default_model import default_checkpoint, default_teacher
 
     split = data.split_corpus(write_tree(tmp_path / "lib", {f"m{i}.py": f"x = {i}\n" for i in range(40)}))
-    report = base.BaseReport(teacher=tmp_path / "out" / "teacher", train_tokens=1, held_out_tokens=1,
-                             final_train_loss=1.0, held_out={}, training_seconds=1.0, tokens_per_s=1.0)
+    report = base.BaseReport(
+        teacher=tmp_path / "out" / "teacher",
+        train_tokens=1,
+        held_out_tokens=1,
+        final_train_loss=1.0,
+        held_out={},
+        training_seconds=1.0,
+        tokens_per_s=1.0,
+    )
     record = base.training_record(base.BaseOptions(out_dir=tmp_path / "out"), split, report)
     assert record["report"]["teacher"] == "teacher" and "out_dir" not in record["options"]
     assert record["corpus_sha256"] == data.fingerprint(split.root, split.train + split.held_out)

@@ -60,8 +60,9 @@ def test_model_file_outside_the_checkpoint_is_never_imported(ckpt, tmp_path, whe
         mlx_edge0.load(ckpt)
     with pytest.raises(UntrustedCodeError):
         mlx_edge0.load_model(ckpt)
-    result = subprocess.run([*EDGE0, "generate", "--model", str(ckpt), "-m", "2"], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [*EDGE0, "generate", "--model", str(ckpt), "-m", "2"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1 and "is not a file name inside the checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
     info = CliRunner().invoke(main, ["info", str(ckpt)])
@@ -85,8 +86,24 @@ def test_symlinked_shim_binds_nowhere_else(converted, tmp_path):
         mlx_edge0.load(a)
     info = CliRunner().invoke(main, ["info", str(a)])
     assert f"would execute {b / SHIM_FILE}" in info.output
-    stock = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--model", str(a), "--trust-remote-code",
-                            "--prompt", "x", "-m", "2"], capture_output=True, text=True, timeout=120)
+    stock = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "generate",
+            "--model",
+            str(a),
+            "--trust-remote-code",
+            "--prompt",
+            "x",
+            "-m",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert stock.returncode != 0 and f"{a / SHIM_FILE}: is a symlink" in stock.stderr
 
 
@@ -170,25 +187,34 @@ def drop_file_capabilities() -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="drops Linux capabilities to make root meet permissions")
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "experts/layer_001.safetensors",
-                                  "tokenizer.json"])
+@pytest.mark.parametrize(
+    "name", ["config.json", "model.safetensors", "experts/layer_001.safetensors", "tokenizer.json"]
+)
 def test_unreadable_file_is_named_without_a_traceback(ckpt, name):
     (ckpt / name).chmod(0)
     for argv in (["generate", "--model", str(ckpt), "-m", "2"], ["info", str(ckpt)]):
         if name == "tokenizer.json" and argv[0] == "info":
             continue  # info reads no tokenizer
-        result = subprocess.run([*EDGE0, *argv], capture_output=True, text=True, timeout=120,
-                                preexec_fn=drop_file_capabilities if os.geteuid() == 0 else None)
+        result = subprocess.run(
+            [*EDGE0, *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=drop_file_capabilities if os.geteuid() == 0 else None,
+        )
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr
         assert str(ckpt / name) in result.stderr and "Permission denied" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-m", "-5"], "--max-tokens must be at least 1, got -5"),
-    (["-m", "0"], "--max-tokens must be at least 1, got 0"),
-    (["--prompt", ""], "--prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-m", "-5"], "--max-tokens must be at least 1, got -5"),
+        (["-m", "0"], "--max-tokens must be at least 1, got 0"),
+        (["--prompt", ""], "--prompt is empty"),
+    ],
+)
 def test_generate_refuses_bad_lengths(ckpt, argv, message):
     result = CliRunner().invoke(main, ["generate", "--model", str(ckpt), *argv])
     assert result.exit_code == 1 and message in result.output, result.output

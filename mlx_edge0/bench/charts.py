@@ -86,8 +86,10 @@ def _legend(series: list[str], x: float, y: float, width: float) -> tuple[list[s
 
 
 def _svg(width: float, height: float, title: str, body: list[str]) -> str:
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-            f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="{escape(title)}">')
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="{escape(title)}">'
+    )
     heading = f'<text x="{PAD}" y="16" {FONT} font-weight="bold">{escape(title)}</text>'
     return "\n".join([head, heading, *body, "</svg>"])
 
@@ -109,12 +111,16 @@ def hbar_chart(bars: list[Bar], title: str, unit: str) -> str:
         color = PALETTE[series.index(b.series) % len(PALETTE)]
         if first:
             body.append(f'<text x="{x0 - 6}" y="{y + 12}" {FONT} text-anchor="end">{escape(b.label)}</text>')
-        body.append(f'<rect x="{x0}" y="{y + 2}" width="{max(b.value, 0) * scale:.1f}" height="{ROW_H - 5}" '
-                    f'fill="{color}"><title>{escape(b.label)}: {_fmt(b.value)} {escape(unit)}</title></rect>')
+        body.append(
+            f'<rect x="{x0}" y="{y + 2}" width="{max(b.value, 0) * scale:.1f}" height="{ROW_H - 5}" '
+            f'fill="{color}"><title>{escape(b.label)}: {_fmt(b.value)} {escape(unit)}</title></rect>'
+        )
         if b.low is not None and b.high is not None:
             lo, hi, mid = x0 + b.low * scale, x0 + b.high * scale, y + ROW_H / 2
-            body.append(f'<path d="M{lo:.1f} {mid:.1f}H{hi:.1f}M{lo:.1f} {mid - 4:.1f}V{mid + 4:.1f}'
-                        f'M{hi:.1f} {mid - 4:.1f}V{mid + 4:.1f}" stroke="#222" fill="none"/>')
+            body.append(
+                f'<path d="M{lo:.1f} {mid:.1f}H{hi:.1f}M{lo:.1f} {mid - 4:.1f}V{mid + 4:.1f}'
+                f'M{hi:.1f} {mid - 4:.1f}V{mid + 4:.1f}" stroke="#222" fill="none"/>'
+            )
         end = x0 + max(b.high if b.high is not None else b.value, b.value) * scale
         body.append(f'<text x="{end + 4:.1f}" y="{y + 12}" {FONT} fill="#333">{fmt(b.value)}</text>')
     y_axis = y + ROW_H + 4
@@ -128,8 +134,9 @@ def _x_axis(ticks: list[float], scale: float, x0: float, y: float, unit: str) ->
         x = x0 + t * scale
         out.append(f'<path d="M{x:.1f} {y}V{y + 4}" stroke="#888"/>')
         out.append(f'<text x="{x:.1f}" y="{y + 16}" {FONT} text-anchor="middle">{_fmt(t)}</text>')
-    out.append(f'<text x="{x0 + ticks[-1] * scale / 2:.1f}" y="{y + 30}" {FONT} '
-               f'text-anchor="middle">{escape(unit)}</text>')
+    out.append(
+        f'<text x="{x0 + ticks[-1] * scale / 2:.1f}" y="{y + 30}" {FONT} text-anchor="middle">{escape(unit)}</text>'
+    )
     return out
 
 
@@ -149,9 +156,11 @@ def stacked_hbar_chart(rows: list[tuple[str, list[float]]], parts: list[str], ti
         body.append(f'<text x="{x0 - 6}" y="{y + 12}" {FONT} text-anchor="end">{escape(label)}</text>')
         for j, v in enumerate(values):
             w = max(v, 0) * scale
-            body.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{ROW_H - 5}" '
-                        f'fill="{PALETTE[j % len(PALETTE)]}"><title>{escape(parts[j])}: {_fmt(v)} '
-                        f'{escape(unit)}</title></rect>')
+            body.append(
+                f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{ROW_H - 5}" '
+                f'fill="{PALETTE[j % len(PALETTE)]}"><title>{escape(parts[j])}: {_fmt(v)} '
+                f"{escape(unit)}</title></rect>"
+            )
             x += w
         body.append(f'<text x="{x + 4:.1f}" y="{y + 12}" {FONT} fill="#333">{totals[i]}</text>')
     y_axis = y0 + len(rows) * ROW_H + 4
@@ -184,23 +193,29 @@ def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label
         body.append(f'<path d="M{x:.1f} {y}V{y + 4}" stroke="#888"/>')
         body.append(f'<text x="{x:.1f}" y="{y + 16}" {FONT} text-anchor="middle">{_fmt(t)}</text>')
     body.append(f'<path d="M{left} {top_y}V{top_y + h}H{left + w}" stroke="#888" fill="none"/>')
-    body.append(f'<text x="{left + w / 2}" y="{top_y + h + 32}" {FONT} text-anchor="middle">'
-                f'{escape(x_label)}</text>')
-    body.append(f'<text x="14" y="{top_y + h / 2}" {FONT} text-anchor="middle" '
-                f'transform="rotate(-90 14 {top_y + h / 2})">{escape(y_label)}</text>')
+    body.append(f'<text x="{left + w / 2}" y="{top_y + h + 32}" {FONT} text-anchor="middle">{escape(x_label)}</text>')
+    body.append(
+        f'<text x="14" y="{top_y + h / 2}" {FONT} text-anchor="middle" '
+        f'transform="rotate(-90 14 {top_y + h / 2})">{escape(y_label)}</text>'
+    )
     for i, (name, ps) in enumerate(series.items()):
         color = PALETTE[i % len(PALETTE)]
         ps = sorted(ps, key=lambda p: p.x)
-        path = " ".join(f"{'M' if j == 0 else 'L'}{at(p.x, p.y)[0]:.1f} {at(p.x, p.y)[1]:.1f}"
-                        for j, p in enumerate(ps))
+        path = " ".join(
+            f"{'M' if j == 0 else 'L'}{at(p.x, p.y)[0]:.1f} {at(p.x, p.y)[1]:.1f}" for j, p in enumerate(ps)
+        )
         body.append(f'<path d="{path}" stroke="{color}" stroke-width="2" fill="none"/>')
         for p in ps:
             x, y = at(p.x, p.y)
-            body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}">'
-                        f'<title>{escape(name)} @ {_fmt(p.x)}: {_fmt(p.y)}</title></circle>')
+            body.append(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}">'
+                f"<title>{escape(name)} @ {_fmt(p.x)}: {_fmt(p.y)}</title></circle>"
+            )
             if p.low is not None and p.high is not None:
                 _, lo = at(p.x, p.low)
                 _, hi = at(p.x, p.high)
-                body.append(f'<path d="M{x:.1f} {lo:.1f}V{hi:.1f}M{x - 3:.1f} {lo:.1f}H{x + 3:.1f}'
-                            f'M{x - 3:.1f} {hi:.1f}H{x + 3:.1f}" stroke="{color}" fill="none"/>')
+                body.append(
+                    f'<path d="M{x:.1f} {lo:.1f}V{hi:.1f}M{x - 3:.1f} {lo:.1f}H{x + 3:.1f}'
+                    f'M{x - 3:.1f} {hi:.1f}H{x + 3:.1f}" stroke="{color}" fill="none"/>'
+                )
     return _svg(CHART_W, top_y + h + 44, title, body)

@@ -76,13 +76,15 @@ def bench():
 @click.option("--layers", type=click.IntRange(min=1), help="Keep only N decoder layers.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--quantize-embeddings", is_flag=True,
-              help="Also quantize embeddings and lm_head where mlx-lm's predicate keeps them bf16.")
+@click.option(
+    "--quantize-embeddings",
+    is_flag=True,
+    help="Also quantize embeddings and lm_head where mlx-lm's predicate keeps them bf16.",
+)
 def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: bool, quantize_embeddings: bool):
     """Write a random-weight stock mlx-lm int4 checkpoint of a public model's shape to OUT."""
     try:
-        options = SynthOptions(geometry, layers=layers, seed=seed, force=force,
-                               quantize_embeddings=quantize_embeddings)
+        options = SynthOptions(geometry, layers=layers, seed=seed, force=force, quantize_embeddings=quantize_embeddings)
         report = synth_checkpoint(out, options)
     except (ValueError, FileExistsError) as e:
         raise click.ClickException(str(e)) from None
@@ -93,36 +95,90 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
 
 
 @bench.command("run")
-@click.option("--stock", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Stock mlx-lm checkpoint (e.g. from `edge0 bench synth`).")
-@click.option("--edge0", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="The same model converted by `edge0 convert`.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Results JSON (rewritten after every run).")
+@click.option(
+    "--stock",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Stock mlx-lm checkpoint (e.g. from `edge0 bench synth`).",
+)
+@click.option(
+    "--edge0",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="The same model converted by `edge0 convert`.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Results JSON (rewritten after every run).",
+)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--arms", default="stock,edge0-exact", show_default=True, callback=_arms,
-              help=f"Comma list of {', '.join(KNOWN_ARMS)}; edge0 arms may add a page-cache policy "
-                   "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB.")
-@click.option("--cache-gib", "budgets", default="", callback=_budgets,
-              help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.")
-@click.option("--cache", "caches", default="cold,warm", show_default=True, callback=_csv(CACHES),
-              help="Page-cache states: cold, warm, pressure (pages dropped before every decode step).")
+@click.option(
+    "--arms",
+    default="stock,edge0-exact",
+    show_default=True,
+    callback=_arms,
+    help=f"Comma list of {', '.join(KNOWN_ARMS)}; edge0 arms may add a page-cache policy "
+    "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB.",
+)
+@click.option(
+    "--cache-gib",
+    "budgets",
+    default="",
+    callback=_budgets,
+    help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.",
+)
+@click.option(
+    "--cache",
+    "caches",
+    default="cold,warm",
+    show_default=True,
+    callback=_csv(CACHES),
+    help="Page-cache states: cold, warm, pressure (pages dropped before every decode step).",
+)
 @click.option("--warm-prefill", is_flag=True, help="Also time a second request in each process.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
-              help="Compute dtype of both arms.")
+@click.option(
+    "--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="Compute dtype of both arms."
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed.")
-@click.option("--k", "k", type=int, default=0, show_default=True,
-              help="K on the prerouted layers of edge0 arms (needs heads for it); stock stays native.")
-@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
-              help="Seconds before a run is killed and recorded as failed.")
-@click.option("--memory-cap", "memory_cap_gib", type=float, default=None,
-              help="Run each arm in its own memory cgroup capped at GIB (page cache included; Linux, root).")
-@click.option("--read-mbps", type=float, default=None,
-              help="Throttle each arm's reads of the checkpoint's disk to N MB/s (cgroup; Linux, root).")
-def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], memory_cap_gib: Optional[float],
-        read_mbps: Optional[float], **kwargs):
+@click.option(
+    "--k",
+    "k",
+    type=int,
+    default=0,
+    show_default=True,
+    help="K on the prerouted layers of edge0 arms (needs heads for it); stock stays native.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Seconds before a run is killed and recorded as failed.",
+)
+@click.option(
+    "--memory-cap",
+    "memory_cap_gib",
+    type=float,
+    default=None,
+    help="Run each arm in its own memory cgroup capped at GIB (page cache included; Linux, root).",
+)
+@click.option(
+    "--read-mbps",
+    type=float,
+    default=None,
+    help="Throttle each arm's reads of the checkpoint's disk to N MB/s (cgroup; Linux, root).",
+)
+def run(
+    out: Path,
+    arms: tuple[str, ...],
+    budgets: tuple[float, ...],
+    memory_cap_gib: Optional[float],
+    read_mbps: Optional[float],
+    **kwargs,
+):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
     expanded = []
     for arm in arms:
@@ -145,40 +201,88 @@ def run(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], memory_cap
 
 @bench.command("suite")
 @click.option("--geometry", required=True, type=click.Choice(sorted(geometries())))
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
-              help="Results directory [default: benchmarks/results/GEOMETRY[-LN]].")
-@click.option("--data", type=click.Path(file_okay=False, path_type=Path),
-              default=DEFAULT_DATA, show_default=True,
-              help="Where the synthetic and converted checkpoints are made or reused (a stock and an "
-                   "edge0 copy: about twice the geometry's size; `edge0 bench clean` removes them).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Results directory [default: benchmarks/results/GEOMETRY[-LN]].",
+)
+@click.option(
+    "--data",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_DATA,
+    show_default=True,
+    help="Where the synthetic and converted checkpoints are made or reused (a stock and an "
+    "edge0 copy: about twice the geometry's size; `edge0 bench clean` removes them).",
+)
 @click.option("--layers", type=click.IntRange(min=1), help="Keep only N decoder layers.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--cache-gib", type=click.FloatRange(min=0), default=0.5, show_default=True,
-              help="Hot-cache budget of the hot, staged and prerouter arms outside the sweep.")
-@click.option("--budgets", default="0,0.25,0.5,1,2", show_default=True, callback=_budgets,
-              help="The sweep's budgets (GiB).")
-@click.option("--sweep-arms", default="edge0-hot,edge0-prerouter", show_default=True,
-              callback=_suite_arms(), help=f"Arms of the sweep: {', '.join(BUDGET_ARMS)}, maybe +PAGE_CACHE.")
-@click.option("--low-k", type=click.IntRange(min=0), default=4, show_default=True,
-              help="The lower K (heads are written for it); 0 skips the low-K phases.")
-@click.option("--arms", default=",".join(ARMS), show_default=True, callback=_suite_arms(),
-              help="Arms of the main phase (other phases take the edge0 ones among them); edge0 arms "
-                   "may add +PAGE_CACHE (e.g. edge0-prerouter+bypass).")
-@click.option("--low-k-arms", default="", callback=_suite_arms(allow_empty=True),
-              help="Arms of the low-K phase [default: those of --arms].")
-@click.option("--cache", "caches", default="cold,warm", show_default=True, callback=_csv(("cold", "warm")),
-              help="Page-cache states of the main and low-K phases.")
+@click.option(
+    "--cache-gib",
+    type=click.FloatRange(min=0),
+    default=0.5,
+    show_default=True,
+    help="Hot-cache budget of the hot, staged and prerouter arms outside the sweep.",
+)
+@click.option(
+    "--budgets", default="0,0.25,0.5,1,2", show_default=True, callback=_budgets, help="The sweep's budgets (GiB)."
+)
+@click.option(
+    "--sweep-arms",
+    default="edge0-hot,edge0-prerouter",
+    show_default=True,
+    callback=_suite_arms(),
+    help=f"Arms of the sweep: {', '.join(BUDGET_ARMS)}, maybe +PAGE_CACHE.",
+)
+@click.option(
+    "--low-k",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="The lower K (heads are written for it); 0 skips the low-K phases.",
+)
+@click.option(
+    "--arms",
+    default=",".join(ARMS),
+    show_default=True,
+    callback=_suite_arms(),
+    help="Arms of the main phase (other phases take the edge0 ones among them); edge0 arms "
+    "may add +PAGE_CACHE (e.g. edge0-prerouter+bypass).",
+)
+@click.option(
+    "--low-k-arms",
+    default="",
+    callback=_suite_arms(allow_empty=True),
+    help="Arms of the low-K phase [default: those of --arms].",
+)
+@click.option(
+    "--cache",
+    "caches",
+    default="cold,warm",
+    show_default=True,
+    callback=_csv(("cold", "warm")),
+    help="Page-cache states of the main and low-K phases.",
+)
 @click.option("--phases", default=",".join(PHASES), show_default=True, callback=_csv(PHASES))
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
-              help="Seconds before a run is killed and recorded as failed.")
-@click.option("--quantize-embeddings", is_flag=True,
-              help="Synthesize with int4 embeddings and lm_head (where mlx-lm keeps them bf16).")
-@click.option("--quick", is_flag=True,
-              help="Minutes: few layers, 8-token prompt, 4 decode tokens, one round, two budgets.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Seconds before a run is killed and recorded as failed.",
+)
+@click.option(
+    "--quantize-embeddings",
+    is_flag=True,
+    help="Synthesize with int4 embeddings and lm_head (where mlx-lm keeps them bf16).",
+)
+@click.option(
+    "--quick", is_flag=True, help="Minutes: few layers, 8-token prompt, 4 decode tokens, one round, two budgets."
+)
 def suite(out: Optional[Path], quick: bool, **kwargs):
     """Synthesize, convert, write heads for both K, run every phase, write the report.
 
@@ -201,14 +305,21 @@ def suite(out: Optional[Path], quick: bool, **kwargs):
     click.echo(md.read_text())
     click.echo(f"Report: {html}\nSummary: {md}\nResults: {options.out / 'suite.json'}")
     kept = bench_checkpoints(options.data)
-    click.echo(f"Checkpoints kept for reruns: {human_bytes(sum(c.nbytes for c in kept))} in {options.data} "
-               f"({', '.join(c.path.name for c in kept)}); `edge0 bench clean --data {options.data}` "
-               "removes them.")
+    click.echo(
+        f"Checkpoints kept for reruns: {human_bytes(sum(c.nbytes for c in kept))} in {options.data} "
+        f"({', '.join(c.path.name for c in kept)}); `edge0 bench clean --data {options.data}` "
+        "removes them."
+    )
 
 
 @bench.command("clean")
-@click.option("--data", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_DATA,
-              show_default=True, help="The directory `edge0 bench suite --data` wrote to.")
+@click.option(
+    "--data",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_DATA,
+    show_default=True,
+    help="The directory `edge0 bench suite --data` wrote to.",
+)
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 def clean(data: Path, dry_run: bool):
     """Remove the synthetic checkpoints the bench made under DATA (nothing else)."""

@@ -67,9 +67,13 @@ def parse_arm(arm: str) -> tuple[str, dict]:
     """``edge0-hot+bypass@0.5`` -> ("edge0-hot", load options with page_cache="bypass",
     cache_gib=0.5): ``ARM[+PAGE_CACHE][@GiB]``."""
     from ..options import PAGE_CACHE_POLICIES  # mlx is imported by the child only
+
     base, page_cache, budget = split_arm(arm)
-    if (base not in KNOWN_ARMS or (budget and base not in BUDGET_ARMS)
-            or (page_cache and (base == "stock" or page_cache not in PAGE_CACHE_POLICIES))):
+    if (
+        base not in KNOWN_ARMS
+        or (budget and base not in BUDGET_ARMS)
+        or (page_cache and (base == "stock" or page_cache not in PAGE_CACHE_POLICIES))
+    ):
         raise ValueError(
             f"unknown arm {arm!r}: use {', '.join(KNOWN_ARMS)} (edge0 arms may add "
             f"+{'|'.join(PAGE_CACHE_POLICIES)}, then {', '.join(BUDGET_ARMS)} may add @GiB)"
@@ -197,8 +201,14 @@ def _profile_top(profile: cProfile.Profile, tokens: int) -> list[dict]:
     rows = []
     for (file, line, func), (_, calls, own, total, _) in pstats.Stats(profile).stats.items():
         where = func if file == "~" else f"{Path(file).name}:{line}({func})"
-        rows.append({"function": where, "calls_per_token": calls / tokens,
-                     "own_ms_per_token": own * 1e3 / tokens, "total_ms_per_token": total * 1e3 / tokens})
+        rows.append(
+            {
+                "function": where,
+                "calls_per_token": calls / tokens,
+                "own_ms_per_token": own * 1e3 / tokens,
+                "total_ms_per_token": total * 1e3 / tokens,
+            }
+        )
     return sorted(rows, key=lambda r: -r["own_ms_per_token"])[:PROFILE_TOP]
 
 
@@ -210,8 +220,12 @@ def measure(spec: RunSpec) -> dict:
 
     from mlx_edge0.options import available_memory
 
-    record = {"arm": spec.arm, "ok": True, "available_memory_at_start": available_memory(),
-              "loadavg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    record = {
+        "arm": spec.arm,
+        "ok": True,
+        "available_memory_at_start": available_memory(),
+        "loadavg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
     mx.reset_peak_memory()
     start = time.perf_counter()
     model = _load(spec.arm, spec.path, spec.dtype, spec.k)
@@ -234,8 +248,12 @@ def measure(spec: RunSpec) -> dict:
     mx.reset_peak_memory()
     _reset_counters(model)
     prefill_s, y, cache, record["logits_finite"] = request(spec.seed)
-    record.update(prefill_s=prefill_s, prefill_tok_s=spec.prompt_tokens / prefill_s,
-                  ttft_s=prefill_s, ttft_with_load_s=record["load_s"] + prefill_s)
+    record.update(
+        prefill_s=prefill_s,
+        prefill_tok_s=spec.prompt_tokens / prefill_s,
+        ttft_s=prefill_s,
+        ttft_with_load_s=record["load_s"] + prefill_s,
+    )
     record["prefill_counters"] = _counters(model)
     tokens = [y.item()]
 
@@ -288,8 +306,12 @@ def measure(spec: RunSpec) -> dict:
         cache = y = None  # the first request's state is released, as a finished request's is
         mx.reset_peak_memory()
         warm_s, _, cache, _ = request(spec.seed + 1)
-        record.update(warm_prefill_s=warm_s, warm_prefill_tok_s=spec.prompt_tokens / warm_s,
-                      warm_ttft_s=warm_s, warm_prefill_peak_memory=mx.get_peak_memory())
+        record.update(
+            warm_prefill_s=warm_s,
+            warm_prefill_tok_s=spec.prompt_tokens / warm_s,
+            warm_ttft_s=warm_s,
+            warm_prefill_peak_memory=mx.get_peak_memory(),
+        )
     peaks = ("load_peak_memory", "prefill_peak_memory", "decode_peak_memory", "warm_prefill_peak_memory")
     record["generate_peak_memory"] = max(record.get(k, 0) for k in peaks[1:])
     record["peak_memory"] = max(record.get(k, 0) for k in peaks)

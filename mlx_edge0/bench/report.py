@@ -137,7 +137,8 @@ def headline(suite: dict) -> Section:
             f"Rows with K={suite['phases']['low-k']['k']} route the prerouted layers with fewer experts "
             "per token (a heads-file swap, as in the paper's 35B tier): that computes another model than "
             "stock's, whose quality these random-weight checkpoints cannot show (see QUALITY.md for a "
-            "trained model); stock always runs its native K.")
+            "trained model); stock always runs its native K."
+        )
     target = TARGETS.get(suite["geometry"])
     if target and any(stock is not None for _, _, stock in entries):
         section.text.append(target_verdict(suite, entries, *target))
@@ -156,17 +157,26 @@ def target_verdict(suite: dict, entries: list, gib: float, speed: float) -> str:
             met.append(f"{label} ({mem:.2f} GiB, {x:.2f}×)")
         if best is None or mem < best[1]:
             best = (label, mem, x)
-    goal = (f"Target: peak MLX memory ≤ {gib} GiB at decode ≥ {speed}× stock (cold page cache; "
-            "× stock = median of the per-round ratios)")
-    scope = "" if not suite.get("layers") else (
-        f" Measured at {_depth(suite)}: the resident part scales with depth, so this is not the "
-        "full model's verdict.")
+    goal = (
+        f"Target: peak MLX memory ≤ {gib} GiB at decode ≥ {speed}× stock (cold page cache; "
+        "× stock = median of the per-round ratios)"
+    )
+    scope = (
+        ""
+        if not suite.get("layers")
+        else (
+            f" Measured at {_depth(suite)}: the resident part scales with depth, so this is not the "
+            "full model's verdict."
+        )
+    )
     if met:
         return f"{goal}: **met** by {', '.join(met)}.{scope}"
     if best is None:
         return f"{goal}: no edge0 arm ran cold.{scope}"
-    return (f"{goal}: **not met**. Lowest peak: {best[0]} at {best[1]:.2f} GiB, {best[2]:.2f}× stock; "
-            f"see the per-step breakdown and profile below for where the time goes.{scope}")
+    return (
+        f"{goal}: **not met**. Lowest peak: {best[0]} at {best[1]:.2f} GiB, {best[2]:.2f}× stock; "
+        f"see the per-step breakdown and profile below for where the time goes.{scope}"
+    )
 
 
 def phase_section(suite: dict, name: str) -> Optional[Section]:
@@ -185,9 +195,10 @@ def phase_section(suite: dict, name: str) -> Optional[Section]:
     if name == "low-k":
         section.text.append(
             "Stock cannot change K: it runs its native K in these rounds (paired ratios)."
-            if any(e["arm"] == "stock" for e in summary["arms"].values()) else
-            "× stock (medians) compares with the main phase's stock arm (native K, same page-cache "
-            "state): stock cannot change K.")
+            if any(e["arm"] == "stock" for e in summary["arms"].values())
+            else "× stock (medians) compares with the main phase's stock arm (native K, same page-cache "
+            "state): stock cannot change K."
+        )
     if name in ("main", "low-k"):
         reference = _summary(suite, "main") if name == "low-k" else None
         speed = speed_table(summary, reference)
@@ -208,6 +219,7 @@ def phase_section(suite: dict, name: str) -> Optional[Section]:
 def step_wait_chart(runs: list[dict], budget: float, title: str) -> Optional[str]:
     """Exposed I/O wait of every decode step of one run (the first round) per
     on-demand / prerouter arm: the per-step view behind the medians."""
+
     def wanted(arm: str) -> bool:  # any page-cache variant; budget arms at this budget
         base, _, arm_budget = split_arm(arm)
         return base in STEP_WAIT_ARMS and arm_budget in ("", f"{budget:g}")
@@ -217,11 +229,11 @@ def step_wait_chart(runs: list[dict], budget: float, title: str) -> Optional[str
         if r.get("ok") and r["round"] == 0 and wanted(r["arm"]) and r.get("decode_step_counters"):
             steps = r["decode_step_counters"]
             series[f"{arm_label(r['arm'])} / {r['cache']}"] = [
-                Point(i + 1, s["exposed_wait_ms"]) for i, s in enumerate(steps)]
+                Point(i + 1, s["exposed_wait_ms"]) for i, s in enumerate(steps)
+            ]
     if not series:
         return None
-    return line_chart(series, f"Exposed I/O wait per decode step, round 1 — {title}", "decode step",
-                      "ms")
+    return line_chart(series, f"Exposed I/O wait per decode step, round 1 — {title}", "decode step", "ms")
 
 
 def throughput_chart(summary: dict, title: str) -> str:
@@ -248,8 +260,9 @@ def wait_chart(summary: dict, title: str) -> str:
         wait, step = median(e, "exposed_wait_ms_per_step", "metrics"), median(e, "step_ms", "metrics")
         if step is not None:
             rows.append((f"{arm_label(e['arm'])} / {e['cache']}", [wait or 0.0, step - (wait or 0.0)]))
-    return stacked_hbar_chart(rows, ["exposed I/O wait", "compute and everything else"],
-                              f"Per decode step — {title}", "ms/step (medians)")
+    return stacked_hbar_chart(
+        rows, ["exposed I/O wait", "compute and everything else"], f"Per decode step — {title}", "ms/step (medians)"
+    )
 
 
 def _budget_points(summary: dict, key: str, scale: float = 1.0) -> dict[str, list[Point]]:
@@ -260,17 +273,18 @@ def _budget_points(summary: dict, key: str, scale: float = 1.0) -> dict[str, lis
         if s is None or (split_arm(name)[0] in BUDGET_ARMS and not budget):
             continue
         x = float(budget) if budget else 0.0
-        series.setdefault(arm_label(name), []).append(
-            Point(x, s["median"] / scale, s["min"] / scale, s["max"] / scale))
+        series.setdefault(arm_label(name), []).append(Point(x, s["median"] / scale, s["min"] / scale, s["max"] / scale))
     return series
 
 
 def sweep_charts(summary: dict) -> list[str]:
     return [
-        line_chart(_budget_points(summary, "decode_tok_s"), "Decode throughput vs hot-cache budget",
-                   BUDGET_AXIS, "tokens/s"),
-        line_chart(_budget_points(summary, "peak_memory", GIB), "Peak MLX memory vs hot-cache budget",
-                   BUDGET_AXIS, "GiB"),
+        line_chart(
+            _budget_points(summary, "decode_tok_s"), "Decode throughput vs hot-cache budget", BUDGET_AXIS, "tokens/s"
+        ),
+        line_chart(
+            _budget_points(summary, "peak_memory", GIB), "Peak MLX memory vs hot-cache budget", BUDGET_AXIS, "GiB"
+        ),
     ]
 
 
@@ -290,8 +304,9 @@ def sweep_optimum(summary: dict) -> list[str]:
             verdict = "its min–max range lies above every other budget's."
         else:
             verdict = "its min–max range overlaps other budgets', so the optimum is not distinguishable from noise."
-        lines.append(f"{name}: best decode at {best.x:g} GiB ({best.y:.2f}× exact, median of the "
-                     f"per-round ratios); {verdict}")
+        lines.append(
+            f"{name}: best decode at {best.x:g} GiB ({best.y:.2f}× exact, median of the per-round ratios); {verdict}"
+        )
     return lines
 
 
@@ -357,17 +372,25 @@ def profile_section(suite: dict) -> Optional[Section]:
     phase = suite["phases"].get("profile")
     if phase is None:
         return None
-    section = Section(phase["title"], text=[
-        "One cProfiled warm run per arm (profiling inflates times; use the ratios). Own time per "
-        "decoded token; `numpy.array` / `item` calls are host syncs, i.e. the MLX compute up to them."])
+    section = Section(
+        phase["title"],
+        text=[
+            "One cProfiled warm run per arm (profiling inflates times; use the ratios). Own time per "
+            "decoded token; `numpy.array` / `item` calls are host syncs, i.e. the MLX compute up to them."
+        ],
+    )
     for r in phase["results"]["runs"]:
         if not r.get("ok") or "profile_top" not in r:
             continue
         rows = [[p["function"], f"{p['calls_per_token']:.1f}", f"{p['own_ms_per_token']:.1f}",
                  f"{p['total_ms_per_token']:.1f}"] for p in r["profile_top"][:PROFILE_ROWS]]  # fmt: skip
-        section.tables.append(Table(
-            ["function", "calls/token", "own ms/token", "cumulative ms/token"], rows,
-            f"{arm_label(r['arm'])}: {r['decode_s_per_token'] * 1e3:.0f} ms/token profiled."))
+        section.tables.append(
+            Table(
+                ["function", "calls/token", "own ms/token", "cumulative ms/token"],
+                rows,
+                f"{arm_label(r['arm'])}: {r['decode_s_per_token'] * 1e3:.0f} ms/token profiled.",
+            )
+        )
     return section
 
 

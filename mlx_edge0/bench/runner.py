@@ -107,8 +107,10 @@ class BenchOptions:
             if unavailable:
                 raise ValueError(f"{self.regime.label()}: {unavailable}")
         if self.regime.memory_cap_gib is not None and "warm" in self.caches:
-            raise ValueError("a memory cap needs a cold page cache (pages cached before the run are charged "
-                             "to another cgroup): use --cache cold or pressure")
+            raise ValueError(
+                "a memory cap needs a cold page cache (pages cached before the run are charged "
+                "to another cgroup): use --cache cold or pressure"
+            )
 
     def arm_path(self, arm: str) -> Optional[Path]:
         return self.stock if parse_arm(arm)[0] == "stock" else self.edge0
@@ -161,8 +163,10 @@ def wait_for_memory(need: int, limit_s: float, progress: Callable[[str], None]) 
         waited = time.perf_counter() - start
         if waited >= limit_s:
             return False, waited
-        progress(f"[bench]   waiting for memory: need {need / GIB:.1f} GiB + margin, "
-                 f"available {available_memory() / GIB:.1f} GiB")
+        progress(
+            f"[bench]   waiting for memory: need {need / GIB:.1f} GiB + margin, "
+            f"available {available_memory() / GIB:.1f} GiB"
+        )
         time.sleep(MEMORY_POLL_S)
     return True, time.perf_counter() - start
 
@@ -200,7 +204,12 @@ def _run_child(spec: RunSpec, timeout_s: float, preexec: Optional[Callable[[], N
     failed = {"arm": spec.arm, "ok": False}
     try:
         proc = subprocess.run(
-            spec.argv(), capture_output=True, text=True, timeout=timeout_s, env=child_env(), cwd=CODE_ROOT,
+            spec.argv(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=child_env(),
+            cwd=CODE_ROOT,
             preexec_fn=preexec,
         )
     except subprocess.TimeoutExpired as e:
@@ -360,8 +369,12 @@ def _earlier_runs(options: BenchOptions) -> dict[tuple, dict]:
 def runs_to_make(options: BenchOptions) -> int:
     """How many runs :func:`run_bench` will measure (the others it keeps from ``options.out``)."""
     earlier = _earlier_runs(options)
-    return sum((rnd, cache, arm) not in earlier
-               for rnd in range(options.rounds) for cache in options.caches for arm in options.arms)
+    return sum(
+        (rnd, cache, arm) not in earlier
+        for rnd in range(options.rounds)
+        for cache in options.caches
+        for arm in options.arms
+    )
 
 
 def run_bench(
@@ -413,9 +426,14 @@ def run_bench(
                 if enough:
                     record = run_child(spec, options.timeout_s, options.regime)
                 else:
-                    record = {"arm": arm, "ok": False, "error": (
-                        f"skipped: needs about {memory_needed(spec) / GIB:.1f} GiB, "
-                        f"{available_memory() / GIB:.1f} GiB available after {waited:.0f} s")}
+                    record = {
+                        "arm": arm,
+                        "ok": False,
+                        "error": (
+                            f"skipped: needs about {memory_needed(spec) / GIB:.1f} GiB, "
+                            f"{available_memory() / GIB:.1f} GiB available after {waited:.0f} s"
+                        ),
+                    }
                 record.update(round=rnd, cache=cache, cache_note=note, position=position,
                               memory_wait_s=waited)  # fmt: skip
                 progress(f"[bench]   {one_line(record)}")

@@ -111,8 +111,11 @@ class SuiteOptions:
 
     @property
     def name(self) -> str:
-        return (self.geometry + (f"-L{self.layers}" if self.layers else "")
-                + ("-int4-embeddings" if self.quantize_embeddings else ""))
+        return (
+            self.geometry
+            + (f"-L{self.layers}" if self.layers else "")
+            + ("-int4-embeddings" if self.quantize_embeddings else "")
+        )
 
     @property
     def stock_dir(self) -> Path:
@@ -163,6 +166,7 @@ def _suite_arm(arm: str) -> bool:
 
 def plan_phases(o: SuiteOptions, native_k: int) -> list[Phase]:
     """The phases ``o`` asks for, in run order (native-K phases first: one heads swap)."""
+
     def at(arm: str, gib: float) -> str:
         return f"{arm}@{gib:g}" if arm_base(arm) in BUDGET_ARMS else arm
 
@@ -204,8 +208,10 @@ def prepare_checkpoints(o: SuiteOptions, progress: Callable[[str], None]) -> dic
     stock, edge0 = o.stock_dir, o.edge0_dir
     for path in (stock, edge0):
         if (path / "config.json").is_file() and _synthetic_origin(path) != expected:
-            raise ValueError(f"{path} holds {_synthetic_origin(path) or 'another model'}, not {expected}; "
-                             "move it away or pass another --data directory")
+            raise ValueError(
+                f"{path} holds {_synthetic_origin(path) or 'another model'}, not {expected}; "
+                "move it away or pass another --data directory"
+            )
     if not (stock / "config.json").is_file():
         progress(f"[suite] synthesizing {stock}")
         synth_checkpoint(stock, replace(synth, force=stock.exists()), progress)
@@ -300,8 +306,9 @@ def run_suite(
     return suite
 
 
-def earlier_phases(out: Path, o: SuiteOptions, checkpoints: dict, running: set[str],
-                   progress: Callable[[str], None]) -> dict:
+def earlier_phases(
+    out: Path, o: SuiteOptions, checkpoints: dict, running: set[str], progress: Callable[[str], None]
+) -> dict:
     """Phases of an earlier ``suite.json`` in ``out`` that this invocation does
     not run, when it measured the same checkpoints (else none)."""
     path = Path(out) / "suite.json"
@@ -311,12 +318,16 @@ def earlier_phases(out: Path, o: SuiteOptions, checkpoints: dict, running: set[s
         old = json.loads(path.read_text())
     except json.JSONDecodeError:
         return {}
+
     def identity(ck: dict) -> tuple:  # heads files come and go with K; the model does not
         return (ck["stock"], ck["edge0"]["path"], ck["edge0"]["resident_bytes"], ck["edge0"]["expert_bytes"])
 
     try:
-        same = (old["geometry"], old["layers"], identity(old["checkpoints"])) == (o.geometry, o.layers,
-                                                                                  identity(checkpoints))
+        same = (old["geometry"], old["layers"], identity(old["checkpoints"])) == (
+            o.geometry,
+            o.layers,
+            identity(checkpoints),
+        )
     except (KeyError, TypeError):
         same = False
     if not same:

@@ -102,9 +102,7 @@ class SynthOptions:
     def __post_init__(self):
         known = geometries()
         if self.geometry not in known:
-            raise ValueError(
-                f"unknown geometry {self.geometry!r}; choose one of {', '.join(known)}"
-            )
+            raise ValueError(f"unknown geometry {self.geometry!r}; choose one of {', '.join(known)}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers must be at least 1, got {self.layers}")
         text = text_config(source_config(self))
@@ -282,10 +280,7 @@ def plan_shards(names: list[str]) -> list[Shard]:
             groups.append((label, []))
         groups[-1][1].append(name)
     n = len(groups)
-    return [
-        Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", label, group)
-        for i, (label, group) in enumerate(groups)
-    ]
+    return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", label, group) for i, (label, group) in enumerate(groups)]
 
 
 def _write_shards(

@@ -41,8 +41,11 @@ def _md_cell(text: str) -> str:
 
 def arm_label(arm: str) -> str:
     base, page_cache, budget = split_arm(arm)
-    return (ARM_LABELS.get(base, base) + (f", page cache {page_cache}" if page_cache else "")
-            + (f" @ {budget} GiB" if budget else ""))
+    return (
+        ARM_LABELS.get(base, base)
+        + (f", page cache {page_cache}" if page_cache else "")
+        + (f" @ {budget} GiB" if budget else "")
+    )
 
 
 def stat(entry: Optional[dict], key: str, group: Optional[str] = None) -> Optional[dict]:
@@ -137,7 +140,15 @@ def pressure_table(summary: dict) -> Table:
             cell(stat(e, "peak_memory"), GIB, spread=False), cell(stat(e, "decode_peak_memory"), GIB, spread=False),
             *_io_cells(e),
         ])  # fmt: skip
-    headers = ["arm", "ok/runs", "decode tok/s", "× exact (per round)", "peak MLX GiB", "decode peak MLX GiB", *IO_HEADERS]
+    headers = [
+        "arm",
+        "ok/runs",
+        "decode tok/s",
+        "× exact (per round)",
+        "peak MLX GiB",
+        "decode peak MLX GiB",
+        *IO_HEADERS,
+    ]
     return Table(headers, rows, notes=_failures(summary))
 
 
@@ -154,7 +165,8 @@ def agreement_note(summary: dict) -> str:
         if t:
             label = f"{arm_label(e['arm'])}/{e['cache']}"
             (same if t["same"] == t["rounds"] else differ).append(
-                label if t["same"] in (0, t["rounds"]) else f"{label} ({t['same']} of {t['rounds']} rounds)")
+                label if t["same"] in (0, t["rounds"]) else f"{label} ({t['same']} of {t['rounds']} rounds)"
+            )
     if not same and not differ:
         return ""
     reference = "stock's" if any(e["arm"] == "stock" for e in summary["arms"].values()) else "edge0-exact's"
@@ -162,8 +174,10 @@ def agreement_note(summary: dict) -> str:
     if same:
         parts.append(f"Greedy tokens equal {reference} in every round: {', '.join(same)}.")
     if differ:
-        parts.append(f"Differ from {reference}: {', '.join(differ)} (prerouted arms with warm-started "
-                     "heads route differently by design; at a lower K every arm computes another model).")
+        parts.append(
+            f"Differ from {reference}: {', '.join(differ)} (prerouted arms with warm-started "
+            "heads route differently by design; at a lower K every arm computes another model)."
+        )
     return " ".join(parts)
 
 

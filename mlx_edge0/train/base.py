@@ -159,8 +159,9 @@ def lm_loss(model: nn.Module, batch: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits.astype(mx.float32), batch[:, 1:]).mean()
 
 
-def held_out_perplexity(model: nn.Module, windows: np.ndarray, batch_size: int = 8, *,
-                        label: Optional[str] = None) -> dict:
+def held_out_perplexity(
+    model: nn.Module, windows: np.ndarray, batch_size: int = 8, *, label: Optional[str] = None
+) -> dict:
     """Perplexity over ``[n, L + 1]`` token windows (each scored from its own start);
     with a ``label``, a progress bar counts the windows."""
     total, count = 0.0, 0
@@ -196,8 +197,7 @@ def _tokenizer(tokenizer_dir: Path, texts: list[str], vocab_size: int, log: Call
     return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
-def train_base(options: BaseOptions, log: Callable[[str], None] = print, *,
-               show_progress: bool = True) -> BaseReport:
+def train_base(options: BaseOptions, log: Callable[[str], None] = print, *, show_progress: bool = True) -> BaseReport:
     """Train the base model and write ``out_dir/teacher``; resumes from ``out_dir/run``.
 
     ``log`` gets a line per stage; ``show_progress`` draws bars on stderr for
@@ -209,9 +209,13 @@ def train_base(options: BaseOptions, log: Callable[[str], None] = print, *,
     train_texts, held_texts = split.texts("train"), split.texts("held_out")
     tokenizer = _tokenizer(out / TOKENIZER_DIR, train_texts, options.vocab_size, log)
     train_tokens = tokenize_documents(tokenizer, train_texts, label="tokenizing train files" if show_progress else None)
-    held_tokens = tokenize_documents(tokenizer, held_texts, label="tokenizing held-out files" if show_progress else None)
-    log(f"corpus: {len(split.train)} train files ({len(train_tokens)} tokens), "
-        f"{len(split.held_out)} held-out files ({len(held_tokens)} tokens) under {split.root}")
+    held_tokens = tokenize_documents(
+        tokenizer, held_texts, label="tokenizing held-out files" if show_progress else None
+    )
+    log(
+        f"corpus: {len(split.train)} train files ({len(train_tokens)} tokens), "
+        f"{len(split.held_out)} held-out files ({len(held_tokens)} tokens) under {split.root}"
+    )
 
     config = base_config(options.vocab_size)
     arch = model_module(config)
@@ -238,16 +242,20 @@ def train_base(options: BaseOptions, log: Callable[[str], None] = print, *,
         return result
 
     batches = TokenBatches(train_tokens, options.seq_len, options.batch_size, options.seed)
-    history = run_loop(model, loss_fn, batches, options.loop(), "train base", eval_fn=eval_fn,
-                       show_progress=show_progress)
+    history = run_loop(
+        model, loss_fn, batches, options.loop(), "train base", eval_fn=eval_fn, show_progress=show_progress
+    )
     untap_routers(model)
     model.eval()
 
     teacher = out / TEACHER_DIR
     save_mlx(model, config, teacher, out / TOKENIZER_DIR, dtype=mx.bfloat16)
     log(f"wrote {teacher}")
-    held_out = held_out_perplexity(load_teacher(teacher), eval_windows(held_tokens, options.seq_len),
-                                   label="scoring held-out text" if show_progress else None)
+    held_out = held_out_perplexity(
+        load_teacher(teacher),
+        eval_windows(held_tokens, options.seq_len),
+        label="scoring held-out text" if show_progress else None,
+    )
     losses = [e for e in history if "loss" in e]
     report = BaseReport(
         teacher=teacher, train_tokens=len(train_tokens), held_out_tokens=len(held_tokens),

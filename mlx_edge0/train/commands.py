@@ -25,12 +25,20 @@ def train() -> None:
 @click.option("--warmup-steps", default=BaseOptions.warmup_steps, show_default=True)
 @click.option("--seed", default=BaseOptions.seed, show_default=True)
 @click.option("--vocab-size", default=BaseOptions.vocab_size, show_default=True)
-@click.option("--balance-coef", default=BaseOptions.balance_coef, show_default=True,
-              help="Weight of the router load-balancing term.")
+@click.option(
+    "--balance-coef",
+    default=BaseOptions.balance_coef,
+    show_default=True,
+    help="Weight of the router load-balancing term.",
+)
 @click.option("--checkpoint-every", default=BaseOptions.checkpoint_every, show_default=True)
 @click.option("--log-every", default=BaseOptions.log_every, show_default=True)
-@click.option("--eval-windows", default=BaseOptions.eval_windows, show_default=True,
-              help="Held-out windows scored at each checkpoint.")
+@click.option(
+    "--eval-windows",
+    default=BaseOptions.eval_windows,
+    show_default=True,
+    help="Held-out windows scored at each checkpoint.",
+)
 def base(out: Path, **fields) -> None:
     """Train the stdlib base MoE from scratch into OUT (OUT/teacher is an mlx-lm
     checkpoint); run it again with the same options to resume."""

@@ -56,17 +56,24 @@ def distill_terms(student_logits: mx.array, teacher_logits: mx.array, top_k: int
     return {"reverse_kl": reverse_kl, "topk": topk, "tail": tail}
 
 
-def distill_loss(student: StudentPath, batch: dict, prompt_tokens: int, topk_weight: float = 1.0,
-                 tail_weight: float = 1.0) -> mx.array:
+def distill_loss(
+    student: StudentPath, batch: dict, prompt_tokens: int, topk_weight: float = 1.0, tail_weight: float = 1.0
+) -> mx.array:
     rows, teacher_logits = batch["tokens"], batch["teacher_logits"]
     terms = distill_terms(student_logits(student, rows), teacher_logits)
     per_position = terms["reverse_kl"] + topk_weight * terms["topk"] + tail_weight * terms["tail"]
     return masked_mean(per_position, continuation_mask(*per_position.shape, prompt_tokens))
 
 
-def train_distill(options: PhaseOptions, teacher: Path,
-                  generation: GenerationOptions = GenerationOptions(sequences=26),
-                  topk_weight: float = 1.0, tail_weight: float = 1.0, *, show_progress: bool = True) -> dict:
+def train_distill(
+    options: PhaseOptions,
+    teacher: Path,
+    generation: GenerationOptions = GenerationOptions(sequences=26),
+    topk_weight: float = 1.0,
+    tail_weight: float = 1.0,
+    *,
+    show_progress: bool = True,
+) -> dict:
     """Phase 3 on ``options.checkpoint``, starting from its (Phase-2) adapters,
     copied to ``out_dir/start`` on the first run so a resume starts from
     the same ones; writes the new adapters into the checkpoint. Returns the report."""
@@ -75,8 +82,9 @@ def train_distill(options: PhaseOptions, teacher: Path,
     start = out_dir / START_DIR
     if not lora.has_adapters(start):  # first run: keep the Phase-2 adapters it starts from
         if not lora.has_adapters(checkpoint):
-            raise FileNotFoundError(f"{checkpoint / lora.ADAPTERS_FILE}: no Phase-2 adapters to start "
-                                    f"from (run `edge0 train sft` first)")
+            raise FileNotFoundError(
+                f"{checkpoint / lora.ADAPTERS_FILE}: no Phase-2 adapters to start from (run `edge0 train sft` first)"
+            )
         start.mkdir(exist_ok=True)
         for name in (lora.ADAPTERS_FILE, lora.ADAPTER_CONFIG_FILE):
             shutil.copy(checkpoint / name, start / name)
@@ -85,10 +93,15 @@ def train_distill(options: PhaseOptions, teacher: Path,
     lora.train_only_adapters(model)
 
     def make_rollouts():
-        prompts = prompt_windows(corpus_tokens(checkpoint, "train", options.max_files),
-                                 generation.sequences, generation.prompt_tokens, options.seed + 1)
-        return generate_rows(model, prompts, generation, options.seed + 1, "phase 3 student rollouts",
-                             show_progress=show_progress)
+        prompts = prompt_windows(
+            corpus_tokens(checkpoint, "train", options.max_files),
+            generation.sequences,
+            generation.prompt_tokens,
+            options.seed + 1,
+        )
+        return generate_rows(
+            model, prompts, generation, options.seed + 1, "phase 3 student rollouts", show_progress=show_progress
+        )
 
     rows = token_rows(out_dir / DATA_FILE, make_rollouts, label="phase 3 student rollouts")
     teacher_model = load_teacher(teacher)
@@ -107,12 +120,28 @@ def train_distill(options: PhaseOptions, teacher: Path,
     def loss_fn(m: nn.Module, batch: dict) -> mx.array:
         return distill_loss(student, batch, P, topk_weight, tail_weight)
 
-    log = run_loop(model, loss_fn, batch_at, options.loop(), "phase 3 distill",
-                   lambda m: held_out_eval(student, held, options.batch_size), show_progress=show_progress)
-    report = {"phase": "distill", "teacher": str(teacher), "generation": vars(generation),
-              "topk": TOP_K, "topk_weight": topk_weight, "tail_weight": tail_weight,
-              "prerouter": bool(student.heads), "data_rows": int(rows.shape[0]), "before": before,
-              "after": held_out_eval(student, held, options.batch_size), "final_loss": last_loss(log),
-              "outputs": install_adapters(model, options)}
+    log = run_loop(
+        model,
+        loss_fn,
+        batch_at,
+        options.loop(),
+        "phase 3 distill",
+        lambda m: held_out_eval(student, held, options.batch_size),
+        show_progress=show_progress,
+    )
+    report = {
+        "phase": "distill",
+        "teacher": str(teacher),
+        "generation": vars(generation),
+        "topk": TOP_K,
+        "topk_weight": topk_weight,
+        "tail_weight": tail_weight,
+        "prerouter": bool(student.heads),
+        "data_rows": int(rows.shape[0]),
+        "before": before,
+        "after": held_out_eval(student, held, options.batch_size),
+        "final_loss": last_loss(log),
+        "outputs": install_adapters(model, options),
+    }
     write_report(options, report)
     return report

@@ -63,7 +63,9 @@ def head_features(student: StudentPath, tokens: mx.array, consumer_of: dict[int,
     for owner, consumer in consumer_of.items():
         onehots = topk_onehot(trace[owner].inds, E)
         features[owner] = HeadFeatures(
-            trace[owner].x[:, :-1], onehots[:, :-1], shift_right(onehots)[:, :-1],
+            trace[owner].x[:, :-1],
+            onehots[:, :-1],
+            shift_right(onehots)[:, :-1],
             trace[consumer].gate_logits[:, 1:],
         )
     mx.eval([vars(f) for f in features.values()])
@@ -89,8 +91,9 @@ def topk_recall(route, predicted: mx.array, target: mx.array) -> mx.array:
     return (hits / true_inds.shape[-1]).mean()
 
 
-def evaluate_heads(heads: dict[int, PrerouterHead], features: list[dict[int, HeadFeatures]],
-                   routes: dict[int, object]) -> dict:
+def evaluate_heads(
+    heads: dict[int, PrerouterHead], features: list[dict[int, HeadFeatures]], routes: dict[int, object]
+) -> dict:
     """Held-out top-k recall and KL, per head and averaged."""
     per_head = {}
     for owner, head in heads.items():
@@ -125,11 +128,14 @@ def train_heads(options: PhaseOptions, mse_weight: float = MSE_WEIGHT, *, show_p
     warm = init_heads(model, spec, seed=options.seed)
     head_set = HeadSet(init_heads(model, spec, seed=options.seed))
     exact = StudentPath(model, heads={})
-    train = TokenBatches(corpus_tokens(checkpoint, "train", options.max_files), options.seq_len,
-                         options.batch_size, options.seed)
+    train = TokenBatches(
+        corpus_tokens(checkpoint, "train", options.max_files), options.seq_len, options.batch_size, options.seed
+    )
     held = held_out_windows(checkpoint, options)
-    held_features = [head_features(exact, held[i:i + options.batch_size, :-1], consumer_of)
-                     for i in range(0, held.shape[0], options.batch_size)]
+    held_features = [
+        head_features(exact, held[i : i + options.batch_size, :-1], consumer_of)
+        for i in range(0, held.shape[0], options.batch_size)
+    ]
 
     def batch_at(step: int) -> dict:
         tokens = train(step)[:, :-1]
@@ -145,14 +151,18 @@ def train_heads(options: PhaseOptions, mse_weight: float = MSE_WEIGHT, *, show_p
     def eval_fn(module: HeadSet) -> dict:
         return evaluate_heads(module.as_dict(), held_features, routes)
 
-    log = run_loop(head_set, loss_fn, batch_at, options.loop(), "phase 1 heads", eval_fn,
-                   show_progress=show_progress)
+    log = run_loop(head_set, loss_fn, batch_at, options.loop(), "phase 1 heads", eval_fn, show_progress=show_progress)
     trained, baseline = eval_fn(head_set), evaluate_heads(warm, held_features, routes)
     path = save_heads(checkpoint, head_set.as_dict(), spec)
     shutil.copy(path, Path(options.out_dir) / PREROUTER_FILE)
-    report = {"phase": "heads", "k": spec.k, "mse_weight": mse_weight, "trained": trained,
-              "warm_start": baseline, "final_loss": last_loss(log),
-              "outputs": [str(path)]}
+    report = {
+        "phase": "heads",
+        "k": spec.k,
+        "mse_weight": mse_weight,
+        "trained": trained,
+        "warm_start": baseline,
+        "final_loss": last_loss(log),
+        "outputs": [str(path)],
+    }
     write_report(options, report)
     return report
-

@@ -164,15 +164,18 @@ def run_loop(
                 "elapsed_s": elapsed,
             }  # fmt: skip
             log.append(entry)
-            steps.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{entry['learning_rate']:.2e}",
-                              tok_s=f"{entry['tokens_per_s']:.0f}", refresh=False)
+            steps.set_postfix(
+                loss=f"{entry['loss']:.4f}",
+                lr=f"{entry['learning_rate']:.2e}",
+                tok_s=f"{entry['tokens_per_s']:.0f}",
+                refresh=False,
+            )
             pending, window_tokens, window_start = [], 0, time.perf_counter()
         if done % options.checkpoint_every == 0 or done == options.steps:
             if eval_fn is not None:
                 log.append({"step": done, "eval": eval_fn(model)})
             pending_entries = [{"step": done, "loss": v, "pending": True} for v in pending]
-            _save_checkpoint(out_dir, done, model, optimizer, options, description,
-                             log + pending_entries, elapsed)
+            _save_checkpoint(out_dir, done, model, optimizer, options, description, log + pending_entries, elapsed)
             write_json_atomic(out_dir / LOG_FILE, {"description": description, "log": log}, indent=2)
             window_start = time.perf_counter()
     steps.close()
@@ -190,8 +193,16 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
-def _save_checkpoint(out_dir: Path, step: int, model: nn.Module, optimizer: optim.Optimizer,
-                     options: LoopOptions, description: str, log: list[dict], elapsed: float) -> Path:
+def _save_checkpoint(
+    out_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    options: LoopOptions,
+    description: str,
+    log: list[dict],
+    elapsed: float,
+) -> Path:
     """Write step_NNNNNN/ through a temp sibling and one rename, then prune old ones."""
     root = out_dir / CHECKPOINTS
     root.mkdir(exist_ok=True)
@@ -201,8 +212,14 @@ def _save_checkpoint(out_dir: Path, step: int, model: nn.Module, optimizer: opti
     tmp.mkdir()
     mx.save_safetensors(str(tmp / TRAINABLE_FILE), dict(tree_flatten(model.trainable_parameters())))
     mx.save_safetensors(str(tmp / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)))
-    state = {"step": step, "seed": options.seed, "description": description,
-             "options": options.trajectory(), "elapsed_s": elapsed, "log": log}
+    state = {
+        "step": step,
+        "seed": options.seed,
+        "description": description,
+        "options": options.trajectory(),
+        "elapsed_s": elapsed,
+        "log": log,
+    }
     _write_json(tmp / STATE_FILE, state)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
@@ -211,8 +228,9 @@ def _save_checkpoint(out_dir: Path, step: int, model: nn.Module, optimizer: opti
     return final
 
 
-def _resume(out_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
-            options: LoopOptions) -> Optional[tuple[int, list[dict], float]]:
+def _resume(
+    out_dir: Path, model: nn.Module, optimizer: optim.Optimizer, options: LoopOptions
+) -> Optional[tuple[int, list[dict], float]]:
     """Load the newest checkpoint into ``model`` and ``optimizer``; None when there is none."""
     found = checkpoint_dirs(out_dir)
     if not found:
@@ -230,12 +248,15 @@ def _resume(out_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
     expected = dict(tree_flatten(model.trainable_parameters()))
     if set(weights) != set(expected):
         missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-        raise ValueError(f"{ckpt / TRAINABLE_FILE} does not match the model's trainable "
-                         f"parameters (missing {missing[:3]}, unexpected {extra[:3]})")
+        raise ValueError(
+            f"{ckpt / TRAINABLE_FILE} does not match the model's trainable "
+            f"parameters (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     for name, v in weights.items():
         if v.shape != expected[name].shape:
-            raise ValueError(f"{ckpt / TRAINABLE_FILE}: {name} has shape {v.shape}, "
-                             f"the model has {expected[name].shape}")
+            raise ValueError(
+                f"{ckpt / TRAINABLE_FILE}: {name} has shape {v.shape}, the model has {expected[name].shape}"
+            )
     model.update(tree_unflatten(list(weights.items())))
     optimizer.state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER_FILE)).items()))
     optimizer.init(model.trainable_parameters())
@@ -247,4 +268,3 @@ def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
-

@@ -52,8 +52,12 @@ class PhaseOptions:
 
     def loop(self) -> LoopOptions:
         return LoopOptions(
-            out_dir=Path(self.out_dir), steps=self.steps, learning_rate=self.learning_rate,
-            seed=self.seed, checkpoint_every=self.checkpoint_every, log_every=self.log_every,
+            out_dir=Path(self.out_dir),
+            steps=self.steps,
+            learning_rate=self.learning_rate,
+            seed=self.seed,
+            checkpoint_every=self.checkpoint_every,
+            log_every=self.log_every,
             warmup_steps=min(self.warmup_steps, self.steps),
         )
 
@@ -92,11 +96,10 @@ def prompt_windows(tokens: np.ndarray, count: int, length: int, seed: int) -> mx
     if len(tokens) <= length:
         raise ValueError(f"{len(tokens)} tokens are too few for prompts of {length}")
     starts = np.random.default_rng(seed).integers(0, len(tokens) - length, size=count)
-    return mx.array(np.stack([tokens[s:s + length] for s in starts]))
+    return mx.array(np.stack([tokens[s : s + length] for s in starts]))
 
 
-def generate_batch(model: nn.Module, prompts: mx.array, max_tokens: int, temperature: float,
-                   seed: int) -> mx.array:
+def generate_batch(model: nn.Module, prompts: mx.array, max_tokens: int, temperature: float, seed: int) -> mx.array:
     """Continue equal-length ``prompts`` [B, P] by ``max_tokens`` tokens: [B, P + max_tokens].
 
     Follows ``mlx_lm.generate_step``: the first P-1 prompt tokens are one
@@ -141,14 +144,22 @@ class GenerationOptions:
         return self.prompt_tokens + self.new_tokens
 
 
-def generate_rows(model: nn.Module, prompts: mx.array, options: GenerationOptions, seed: int,
-                  label: str, *, show_progress: bool = True) -> np.ndarray:
+def generate_rows(
+    model: nn.Module,
+    prompts: mx.array,
+    options: GenerationOptions,
+    seed: int,
+    label: str,
+    *,
+    show_progress: bool = True,
+) -> np.ndarray:
     """Continue every prompt (``options.batch`` at a time, a bar counting sequences)."""
     rows = []
     with bar(prompts.shape[0], label, unit="seq", show=show_progress) as done:
         for i in range(0, prompts.shape[0], options.batch):
-            chunk = generate_batch(model, prompts[i:i + options.batch], options.new_tokens,
-                                   options.temperature, seed * 1_000_003 + i)
+            chunk = generate_batch(
+                model, prompts[i : i + options.batch], options.new_tokens, options.temperature, seed * 1_000_003 + i
+            )
             rows.append(np.array(chunk))
             done.update(chunk.shape[0])
     return np.concatenate(rows)
@@ -190,7 +201,7 @@ def mean_nll(forward, windows: mx.array, batch_size: int, *, label: Optional[str
     with a ``label``, a progress bar counts the batches."""
     total, count = 0.0, 0
     for i in track(range(0, windows.shape[0], batch_size), label or "", unit="batch", show=label is not None):
-        w = windows[i:i + batch_size]
+        w = windows[i : i + batch_size]
         logits = forward(w[:, :-1]).astype(mx.float32)
         nll = nn.losses.cross_entropy(logits, w[:, 1:], reduction="sum")
         total += nll.item()
@@ -201,8 +212,7 @@ def mean_nll(forward, windows: mx.array, batch_size: int, *, label: Optional[str
 def write_report(options: PhaseOptions, report: dict[str, Any]) -> Path:
     """``report.json`` in the run dir: options, the phase's numbers, outputs."""
     path = Path(options.out_dir) / REPORT_FILE
-    body = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
-            **report}
+    body = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}, **report}
     path.write_text(json.dumps(body, indent=2) + "\n")
     return path
 

@@ -66,17 +66,34 @@ def install_adapters(model: nn.Module, options: PhaseOptions) -> list[str]:
     return [str(path), str(checkpoint / lora.ADAPTER_CONFIG_FILE)]
 
 
-def train_sft(options: PhaseOptions, teacher: Path, generation: GenerationOptions = GenerationOptions(),
-              rank: int = lora.RANK, alpha: float = lora.ALPHA, *, show_progress: bool = True) -> dict:
+def train_sft(
+    options: PhaseOptions,
+    teacher: Path,
+    generation: GenerationOptions = GenerationOptions(),
+    rank: int = lora.RANK,
+    alpha: float = lora.ALPHA,
+    *,
+    show_progress: bool = True,
+) -> dict:
     """Phase 2 on ``options.checkpoint``; writes the adapters into it. Returns the report."""
     checkpoint, out_dir = Path(options.checkpoint), Path(options.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def make_data():
-        prompts = prompt_windows(corpus_tokens(checkpoint, "train", options.max_files),
-                                 generation.sequences, generation.prompt_tokens, options.seed)
-        return generate_rows(load_teacher(teacher), prompts, generation, options.seed, "phase 2 teacher text",
-                             show_progress=show_progress)
+        prompts = prompt_windows(
+            corpus_tokens(checkpoint, "train", options.max_files),
+            generation.sequences,
+            generation.prompt_tokens,
+            options.seed,
+        )
+        return generate_rows(
+            load_teacher(teacher),
+            prompts,
+            generation,
+            options.seed,
+            "phase 2 teacher text",
+            show_progress=show_progress,
+        )
 
     rows = token_rows(out_dir / DATA_FILE, make_data, label="phase 2 teacher text")
     model = load_served(checkpoint)
@@ -90,11 +107,27 @@ def train_sft(options: PhaseOptions, teacher: Path, generation: GenerationOption
     def loss_fn(m: nn.Module, batch: mx.array) -> mx.array:
         return sft_loss(student, batch, P)
 
-    log = run_loop(model, loss_fn, batches, options.loop(), "phase 2 sft",
-                   lambda m: held_out_eval(student, held, options.batch_size), show_progress=show_progress)
-    report = {"phase": "sft", "teacher": str(teacher), "generation": vars(generation), "rank": rank,
-              "alpha": alpha, "prerouter": bool(student.heads), "data_rows": int(rows.shape[0]),
-              "before": before, "after": held_out_eval(student, held, options.batch_size),
-              "final_loss": last_loss(log), "outputs": install_adapters(model, options)}
+    log = run_loop(
+        model,
+        loss_fn,
+        batches,
+        options.loop(),
+        "phase 2 sft",
+        lambda m: held_out_eval(student, held, options.batch_size),
+        show_progress=show_progress,
+    )
+    report = {
+        "phase": "sft",
+        "teacher": str(teacher),
+        "generation": vars(generation),
+        "rank": rank,
+        "alpha": alpha,
+        "prerouter": bool(student.heads),
+        "data_rows": int(rows.shape[0]),
+        "before": before,
+        "after": held_out_eval(student, held, options.batch_size),
+        "final_loss": last_loss(log),
+        "outputs": install_adapters(model, options),
+    }
     write_report(options, report)
     return report

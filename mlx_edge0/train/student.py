@@ -50,8 +50,9 @@ def resident_experts(model: nn.Module) -> dict[int, ExpertWeights]:
     """Every MoE layer's experts read whole into memory (row e = expert e)."""
     runtime = model.edge0_runtime
     n = model.edge0_section.experts.num_experts
-    return {layer: runtime.store.read(layer, range(n), runtime.compute_dtype)
-            for layer in model.edge0_section.moe_layers}
+    return {
+        layer: runtime.store.read(layer, range(n), runtime.compute_dtype) for layer in model.edge0_section.moe_layers
+    }
 
 
 def served_heads(model: nn.Module) -> dict[int, PrerouterHead]:
@@ -72,8 +73,12 @@ class StudentPath:
     (default: the heads the model serves with; ``{}``: exact gate routing).
     """
 
-    def __init__(self, model: nn.Module, heads: Optional[dict[int, PrerouterHead]] = None,
-                 experts: Optional[dict[int, ExpertWeights]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        heads: Optional[dict[int, PrerouterHead]] = None,
+        experts: Optional[dict[int, ExpertWeights]] = None,
+    ):
         self.model = model
         self.heads = served_heads(model) if heads is None else dict(heads)
         layers = list(model.edge0_section.moe_layers)
@@ -85,8 +90,7 @@ class StudentPath:
         self.seen: dict[int, tuple[mx.array, mx.array]] = {}
         self.trace: Optional[dict[int, LayerTrace]] = None
 
-    def __call__(self, tokens: mx.array, gate_positions: Union[int, mx.array] = 1,
-                 record: bool = False) -> mx.array:
+    def __call__(self, tokens: mx.array, gate_positions: Union[int, mx.array] = 1, record: bool = False) -> mx.array:
         """Logits ``[B, L, V]`` for ``tokens`` ``[B, L]``.
 
         Args:
