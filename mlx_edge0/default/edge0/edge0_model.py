@@ -1,3 +1,1 @@
-from mlx_edge0.plugin import bind
-
-Model, ModelArgs = bind(__file__)  # noqa
+from mlx_edge0.plugin import bind; Model, ModelArgs = bind(__file__)  # noqa
