@@ -155,3 +155,33 @@ def test_a_memory_cap_refuses_a_warm_page_cache(converted, tmp_path):
             caches=("warm",),
             regime=Regime(memory_cap_gib=1),
         )
+
+
+def test_small_mac_preset_scales_with_the_checkpoint(converted, tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_edge0.bench.regime import PRESETS
+    from mlx_edge0.cli import main
+
+    small_mac = PRESETS["small-mac"]
+    assert small_mac.regime(int(19.5e9)) == Regime(12.0, 144)  # qwen3.5-35b-a3b on a 16 GB M2
+    assert small_mac.regime(int(4.5e9)) == Regime(2.77, 144)  # ling-3.0-tiny, the same ratio
+    with pytest.raises(ValueError, match="scales to a memory cap of 0 GiB, too small"):
+        small_mac.regime(2_000_000)
+    conv = converted("qwen3_moe")
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "run",
+            "--edge0",
+            str(conv.edge0),
+            "--arms",
+            "edge0-exact",
+            "--regime",
+            "small-mac",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+    )
+    assert result.exit_code == 1 and "too small for Python and MLX to start in" in result.output

@@ -12,7 +12,7 @@ import click
 from ..checkpoint import human_bytes
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
 from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm
-from .regime import Regime
+from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .report import write_report
@@ -171,12 +171,21 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
     default=None,
     help="Throttle each arm's reads of the checkpoint's disk to N MB/s (cgroup; Linux, root).",
 )
+@click.option(
+    "--regime",
+    "preset",
+    type=click.Choice(sorted(PRESETS)),
+    default=None,
+    help="A named memory cap and read throughput, scaled to the checkpoint (BENCHMARKS.md, 'Regime presets'); "
+    "--memory-cap / --read-mbps override its parts.",
+)
 def run(
     out: Path,
     arms: tuple[str, ...],
     budgets: tuple[float, ...],
     memory_cap_gib: Optional[float],
     read_mbps: Optional[float],
+    preset: Optional[str],
     **kwargs,
 ):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
@@ -188,6 +197,13 @@ def run(
             expanded.append(arm)
     try:
         regime = Regime(memory_cap_gib, read_mbps)
+        if preset is not None:
+            root = kwargs["stock"] or kwargs["edge0"]
+            if root is None:
+                raise ValueError(f"--regime {preset} scales with the checkpoint: give --stock or --edge0")
+            sized = PRESETS[preset].regime(checkpoint_bytes(root))
+            regime = Regime(memory_cap_gib or sized.memory_cap_gib, read_mbps or sized.read_mbps)
+            click.echo(f"regime {preset}: {regime.label()}", err=True)
         options = BenchOptions(out=out, arms=tuple(expanded), regime=regime, **kwargs)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
