@@ -1,0 +1,226 @@
+"""Offline replay of a routing trace through the hot cache's eviction policies,
+and through the offline optimum they are measured against.
+
+The simulated cache is the runtime's (``mlx_edge0.hot``): ``capacity`` expert
+slots shared by all MoE layers, filled one MoE call at a time by the same
+planner, :func:`mlx_edge0.hot.plan_fill` (a call's routed set is made resident
+together: misses take free slots first, then victims among resident experts
+the call does not route to). Only the choice of victims differs:
+
+- ``lru``, ``lfu``: the runtime's own policies (``hot.POLICIES``).
+- ``min``: Belady's MIN, the resident expert whose next use is farthest in
+  the future (never used again counts as infinitely far). Optimal for a fixed
+  trace and capacity: no policy that only chooses victims gets more hits.
+- ``lru+next``, ``lfu+next``: the base policy, except that it never evicts an
+  expert the next ``lookahead`` MoE calls route to while it has another
+  candidate. With ``lookahead`` = the number of MoE layers (the default) that
+  is one token of calls: the rest of this token's layers and the next
+  token's layers up to this one, what a prerouter predicting one token ahead
+  knows when the call is made. The trace itself is the prediction (a perfect
+  prerouter) unless a predicted trace of the same shape is given.
+
+Misses are reads: each costs one bundle from the device, so bytes read per
+token are ``misses * bundle_bytes / tokens``. The cache starts empty, so the
+first use of each expert is a miss under every policy; :func:`ceiling` is the
+hit rate of an unbounded cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+from typing import Hashable, Iterable, Optional, Sequence
+
+from ..hot import POLICIES, LRUPolicy, plan_fill
+from .locality import RoutingTrace
+
+Key = tuple[int, int]  # (layer, expert)
+BASE_POLICIES = tuple(POLICIES)  # "lfu", "lru"
+PREDICTION_AWARE = tuple(f"{name}+next" for name in BASE_POLICIES)
+POLICY_NAMES = ("lru", "lfu", "min", "lru+next", "lfu+next")
+
+
+def call_keys(trace: RoutingTrace) -> list[list[Key]]:
+    """The ``(layer, expert)`` keys of every MoE call, in forward order."""
+    return [[(layer, e) for e in ids] for layer, ids in trace.calls()]
+
+
+class BeladyPolicy:
+    """Belady's MIN over a known sequence of calls: victims are the
+    candidates used farthest in the future. ``touch`` advances one call."""
+
+    def __init__(self, calls: Sequence[Sequence[Key]]):
+        self.now = 0
+        self.uses: dict[Key, list[int]] = {}
+        for position, keys in enumerate(calls):
+            for k in keys:
+                self.uses.setdefault(k, []).append(position)
+
+    def next_use(self, key: Key) -> float:
+        uses = self.uses.get(key, [])
+        i = bisect.bisect_left(uses, self.now)
+        return uses[i] if i < len(uses) else float("inf")
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        self.now += 1
+
+    def forget(self, key: Hashable) -> None:
+        pass
+
+    def victims(self, candidates: Sequence[Key], n: int) -> list[Key]:
+        return sorted(candidates, key=lambda k: (-self.next_use(k), k))[:n]
+
+
+class PredictionAware:
+    """A base policy that spares the experts of the next ``lookahead`` calls
+    (as ``predicted`` says) while it has other candidates."""
+
+    def __init__(self, base: LRUPolicy, predicted: Sequence[Sequence[Key]], lookahead: int):
+        self.base = base
+        self.predicted = predicted
+        self.lookahead = lookahead
+        self.now = 0
+
+    def protected(self) -> set[Key]:
+        return {k for keys in self.predicted[self.now + 1 : self.now + 1 + self.lookahead] for k in keys}
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        self.base.touch(keys)
+        self.now += 1
+
+    def forget(self, key: Hashable) -> None:
+        self.base.forget(key)
+
+    def victims(self, candidates: Sequence[Key], n: int) -> list[Key]:
+        keep = self.protected()
+        spare = [k for k in candidates if k not in keep]
+        kept = [k for k in candidates if k in keep]
+        return (self.base.victims(spare, len(spare)) + self.base.victims(kept, len(kept)))[:n]
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    """One policy's replay of one trace at one capacity."""
+
+    policy: str
+    capacity: int
+    tokens: int
+    accesses: int
+    hits: int
+    bundle_bytes: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.accesses - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else float("nan")
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.misses * self.bundle_bytes / self.tokens if self.tokens else float("nan")
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "bytes_per_token": self.bytes_per_token,
+        }
+
+
+def make_policy(
+    name: str,
+    calls: Sequence[Sequence[Key]],
+    capacity: int,
+    predicted: Optional[Sequence[Sequence[Key]]] = None,
+    lookahead: int = 1,
+):
+    """The victim chooser called ``name`` (one of :data:`POLICY_NAMES`)."""
+    if name == "min":
+        return BeladyPolicy(calls)
+    if name in POLICIES:
+        return POLICIES[name](capacity)
+    if name in PREDICTION_AWARE:
+        base = POLICIES[name.removesuffix("+next")](capacity)
+        return PredictionAware(base, calls if predicted is None else predicted, lookahead)
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+def simulate(
+    trace: RoutingTrace,
+    capacity: int,
+    policy: str,
+    *,
+    bundle_bytes: int = 0,
+    predicted: Optional[RoutingTrace] = None,
+    lookahead: Optional[int] = None,
+) -> CacheResult:
+    """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
+
+    Args:
+        trace: the routing to replay.
+        capacity: expert slots shared by all layers.
+        policy: one of :data:`POLICY_NAMES`.
+        bundle_bytes: bytes one miss reads from the device (an expert bundle).
+        predicted: for ``*+next``, the prerouter's predicted routing (same
+            tokens and layers as ``trace``); default: ``trace`` itself.
+        lookahead: MoE calls a ``*+next`` policy protects; default: one token
+            (the number of MoE layers).
+
+    Raises:
+        ValueError: the capacity is smaller than a routed set (the runtime
+            bypasses the cache then; a replay cannot), or ``predicted`` does
+            not match ``trace``'s shape.
+    """
+    calls = call_keys(trace)
+    largest = max((len(keys) for keys in calls), default=0)
+    if capacity < largest:
+        raise ValueError(f"capacity {capacity} is smaller than a routed set of {largest} experts")
+    if predicted is not None and (predicted.layers, len(predicted.tokens)) != (trace.layers, len(trace.tokens)):
+        raise ValueError("the predicted trace must have the replayed trace's layers and token count")
+    victims = make_policy(
+        policy,
+        calls,
+        capacity,
+        None if predicted is None else call_keys(predicted),
+        len(trace.layers) if lookahead is None else lookahead,
+    )
+    resident: dict[Key, int] = {}
+    free = list(range(capacity))
+    hits = accesses = 0
+    for keys in calls:  # as HotCache.fetch, without the reads
+        placed, evicted = plan_fill(keys, resident, free, victims)
+        for k in evicted:
+            del resident[k]
+            victims.forget(k)
+        free = free[len(placed) - len(evicted) :]
+        resident.update(placed)
+        victims.touch(keys)
+        hits += len(keys) - len(placed)
+        accesses += len(keys)
+    return CacheResult(policy, capacity, len(trace.tokens), accesses, hits, bundle_bytes)
+
+
+def ceiling(trace: RoutingTrace) -> float:
+    """Hit rate of an unbounded cache: every routing but each expert's first."""
+    first = len({k for keys in call_keys(trace) for k in keys})
+    return 1 - first / trace.routings if trace.routings else float("nan")
+
+
+def compare(
+    trace: RoutingTrace,
+    capacities: Iterable[int],
+    policies: Sequence[str] = POLICY_NAMES,
+    *,
+    bundle_bytes: int = 0,
+    predicted: Optional[RoutingTrace] = None,
+) -> list[CacheResult]:
+    """Every policy at every capacity (capacities below a routed set skipped)."""
+    largest = max((len(ids) for tok in trace.tokens for ids in tok), default=0)
+    return [
+        simulate(trace, c, p, bundle_bytes=bundle_bytes, predicted=predicted)
+        for c in capacities
+        if c >= largest
+        for p in policies
+    ]

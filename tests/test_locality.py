@@ -1,0 +1,76 @@
+"""Routing-trace locality measurements on hand-made traces with known values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mlx_edge0.bench.locality import (
+    LocalitySummary,
+    RoutingTrace,
+    coverage_per_layer,
+    distinct_per_layer,
+    reuse_per_layer,
+    top_count,
+    top_share_per_layer,
+    uniform_reuse,
+    uniform_top_share,
+)
+
+
+def hand_trace() -> RoutingTrace:
+    """Two MoE layers (0 and 2), E=4, K=2, three tokens:
+
+    layer 0: {0,1} {1,2} {1,3}   distinct 4; reuse (1/2 + 1/2)/2 = 0.5
+                                 counts 1,3,1,1: top expert 3/6 = 0.5; 90% of 6 needs all 4
+    layer 2: {2,3} {2,3} {0,2}   distinct 3; reuse (2/2 + 1/2)/2 = 0.75
+                                 counts 1,0,3,2: top expert 3/6 = 0.5; 90% needs 3 of 4
+    """
+    return RoutingTrace(
+        layers=(0, 2),
+        num_experts=4,
+        k=2,
+        tokens=(((1, 0), (2, 3)), ((1, 2), (3, 2)), ((1, 3), (0, 2))),
+        source="hand",
+    )
+
+
+def test_hand_trace_values():
+    t = hand_trace()
+    assert distinct_per_layer(t) == [4, 3]
+    assert reuse_per_layer(t) == [0.5, 0.75]
+    assert top_count(4) == 1 and top_count(16) == 2 and top_count(128) == 13
+    assert top_share_per_layer(t) == [0.5, 0.5]
+    assert coverage_per_layer(t) == [1.0, 0.75]
+    assert uniform_reuse(t) == 0.5 and uniform_top_share(t) == 0.25
+    s = LocalitySummary.of(t)
+    assert s.mean("reuse") == 0.625 and s.as_dict()["mean_distinct"] == 3.5
+    assert t.routings == 12
+
+
+def test_identical_tokens_reuse_everything_and_one_token_has_no_reuse():
+    same = RoutingTrace((0,), 8, 2, (((3, 5),),) * 4)
+    assert reuse_per_layer(same) == [1.0] and distinct_per_layer(same) == [2]
+    assert math.isnan(reuse_per_layer(RoutingTrace((0,), 8, 2, (((3, 5),),)))[0])
+
+
+def test_from_calls_groups_tokens_and_round_trips(tmp_path):
+    t = hand_trace()
+    calls = [(layer, list(ids)) for layer, ids in t.calls()]
+    assert calls[:2] == [(0, [0, 1]), (2, [2, 3])]
+    assert RoutingTrace.from_calls(calls, 4, 2, source="hand") == t
+    t.save(tmp_path / "t.json")
+    assert RoutingTrace.load(tmp_path / "t.json") == t
+
+
+def test_bad_traces_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="visits MoE layers"):
+        RoutingTrace.from_calls([(0, [1]), (2, [1]), (0, [1])], 4, 1)
+    with pytest.raises(ValueError, match="routed sets for 2 MoE layers"):
+        RoutingTrace((0, 1), 4, 1, (((1,),),))
+    with pytest.raises(ValueError, match=r"distinct ids in \[0, 4\)"):
+        RoutingTrace((0,), 4, 1, (((4,),),))
+    (tmp_path / "x.json").write_text('{"layers": []}')
+    with pytest.raises(ValueError, match="not an edge0-routing-trace"):
+        RoutingTrace.load(tmp_path / "x.json")
