@@ -60,12 +60,10 @@ class ExactPath:
             return expert_glu(x, local, rt.store.read(layer, ids, rt.compute_dtype))
         if self.scratch is None:
             self.scratch = SlotBuffers(rt.store.geometry, max(rt.k_of.values()), rt.pool_dtype)
-        scratch = self.scratch
-        scratch.settle_readers()  # free in decode: this layer's sync evaluated them
-        rt.store.submit(layer, ids, range(len(ids)), scratch, urgent=True).wait()
-        y = expert_glu(x, local, scratch.weights().with_scales_dtype(rt.compute_dtype))
-        scratch.read_by(y)
-        return y
+        # Rewriting the rows settles their readers: free in decode, where this
+        # layer's sync evaluated them.
+        rt.store.submit(layer, ids, range(len(ids)), self.scratch, urgent=True).wait()
+        return self.scratch.compute(x, local, rt.compute_dtype)
 
 
 class HotPath(ExactPath):
@@ -77,10 +75,7 @@ class HotPath(ExactPath):
         rows = rt.hot.fetch(layer, ids)
         if rows is None:  # the routed set is larger than the whole cache
             return rt.exact.experts(layer, x, inds)
-        weights = rt.hot.buffers.weights().with_scales_dtype(rt.compute_dtype)
-        y = expert_glu(x, mx.array(rows[local].astype(np.uint32)), weights)
-        rt.hot.buffers.read_by(y)
-        return y
+        return rt.hot.buffers.compute(x, mx.array(rows[local].astype(np.uint32)), rt.compute_dtype)
 
 
 class StagedPath(ExactPath):
@@ -99,11 +94,7 @@ class StagedPath(ExactPath):
         except BaseException:
             slots.invalidate()
             raise
-        local = mx.take(staged.slot_table, inds)
-        weights = slots.weights().with_scales_dtype(rt.compute_dtype)
-        y = expert_glu(x, local, weights)
-        slots.buffers.read_by(y)
-        return y
+        return slots.buffers.compute(x, mx.take(staged.slot_table, inds), rt.compute_dtype)
 
 
 class WholeLayerPath(ExactPath):

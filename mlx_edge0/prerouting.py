@@ -45,7 +45,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from .expert_math import expert_glu
 from .prerouter import PrerouterHead, topk_onehot
 from .options import MIN_STAGED_WINDOW
 from .staged import StagedSet, StagedSlots
@@ -221,11 +220,7 @@ class Prerouting:
         stats.prerouted += 1
         staged = set(slots.contents.tolist())
         stats.staged_drops += sum(int(e) not in staged for e in planned.ids)
-        local = mx.take(planned.staged.slot_table, planned.inds)
-        weights = slots.weights().with_scales_dtype(rt.compute_dtype)
-        y = expert_glu(x, local, weights)
-        slots.buffers.read_by(y)
-        return y
+        return slots.buffers.compute(x, mx.take(planned.staged.slot_table, planned.inds), rt.compute_dtype)
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
         """Owner layers: run the head on every position; keep the prediction

@@ -5,7 +5,7 @@ Each layer owns one :class:`SlotBuffers` of ``slots`` rows. A fill is
 incremental: a slot whose expert is still wanted is kept in place; a changed
 slot is copied from the hot cache or read from disk in place. Before any row
 is rewritten, every computation recorded as reading the buffer is evaluated
-(:meth:`SlotBuffers.settle_readers`), so a fill never changes a step that
+(:meth:`SlotBuffers.rows_for_writing`), so a fill never changes a step that
 already used the rows. That costs no overlap: the prerouter's fill for step
 t+1 starts when step t+1 opens, after a sync that needs step t's heads, i.e.
 nearly all of step t (at most the last layers are still computing, and their
@@ -96,7 +96,6 @@ class StagedSlots:
         ``reads``.
         """
         buf, contents = self.buffers, self.contents
-        buf.settle_readers()
         plan = plan_staging(ids, contents)
         stats = self.store.telemetry.current
         stats.staged_kept += len(plan.kept)

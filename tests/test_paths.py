@@ -190,8 +190,7 @@ def test_fill_never_changes_a_step_that_read_the_rows(converted):
 
     current = slots.stage([1, 4, 6, 9])
     current.reads.wait()
-    y = expert_glu(x, mx.take(current.slot_table, inds), slots.weights())  # not evaluated
-    slots.buffers.read_by(y)
+    y = slots.buffers.compute(x, mx.take(current.slot_table, inds), None)  # not evaluated
     following = slots.stage([0, 2, 3, 5])  # rewrites every row
     following.reads.wait()
     assert sorted(slots.contents.tolist()) == [0, 2, 3, 5]
@@ -295,3 +294,25 @@ def test_stats_telemetry(converted):
     assert s["peak_memory"] > 0
     model.reset_stats()
     assert model.stats()["expert_loads"] == 0
+
+
+# ------------------------------------------------- the slot-buffer invariant
+
+
+def test_rows_are_rewritten_only_after_their_readers_are_evaluated():
+    """Writes go through the buffers, which evaluate every recorded reader
+    first: a computation built before a rewrite sees the old rows."""
+    from fakes import FakeStore
+
+    store = FakeStore()
+    buffers = SlotBuffers(store.geometry, 2)
+    x = mx.random.normal((1, 1, store.geometry.hidden_size), key=mx.random.key(0))
+    inds = mx.array([[[0, 1]]], mx.uint32)
+    store.submit(0, [3, 5], [0, 1], buffers).wait()
+    y = buffers.compute(x, inds, None)  # recorded, not evaluated
+    want = expert_glu(x, mx.array([[[3, 5]]], mx.uint32), store.weights(0))
+    store.submit(0, [6, 7], [0, 1], buffers).wait()  # rewrites both rows
+    assert mx.array_equal(y, want).item()
+    z = buffers.compute(x, inds, None)
+    buffers.copy_row(buffers, 0, 1)  # a copy settles the readers too
+    assert mx.array_equal(z, expert_glu(x, mx.array([[[6, 7]]], mx.uint32), store.weights(0))).item()
