@@ -30,7 +30,7 @@ def record_trace(path: Path, tokens: int, prompt_tokens: int) -> tuple[list, int
     cache = make_prompt_cache(model)
     y = mx.array(np.random.default_rng(0).integers(0, vocab, prompt_tokens), mx.int32)[None]
     y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
-    rt.routing_trace = trace = []  # decode steps only
+    rt.telemetry.routing_trace = trace = []  # decode steps only
     for _ in range(tokens):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(y)

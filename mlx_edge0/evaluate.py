@@ -142,8 +142,11 @@ def evaluate(
     spec = PrerouterSpec.default(section.moe_layers, section.consumer_k)
     exact = StudentPath(model, heads={})
     warm = init_heads(model, spec)
-    variants = [("int4, exact routing", exact), ("int4 + warm-start heads", StudentPath(model, warm, exact.experts))]
-    served = StudentPath(model, experts=exact.experts)
+    variants = [
+        ("int4, exact routing", exact),
+        ("int4 + warm-start heads", StudentPath(model, warm, exact.expert_weights)),
+    ]
+    served = StudentPath(model, experts=exact.expert_weights)
     if served.heads:
         variants.append(("int4 + checkpoint heads", served))
     for name, student in variants:

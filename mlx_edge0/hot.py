@@ -125,7 +125,6 @@ class HotCache:
             self.policy.forget(k)
         used_free = len(placed) - len(evicted)
         self.free = self.free[used_free:]
-        self.buffers.settle_readers()
         if placed:
             misses = list(placed)
             try:

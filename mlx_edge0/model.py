@@ -62,10 +62,10 @@ class Edge0Model:
             layers[i].mlp = self.streaming_block.from_stock(
                 layers[i].mlp,
                 layer=i,
-                runtime=self.edge0_runtime,
+                source=self.edge0_runtime,
                 num_experts_per_tok=self.edge0_runtime.k_of[i],
             )
-        self.edge0_runtime.attach({i: layers[i].mlp for i in stock_moe})
+        self.edge0_runtime.attach({i: layers[i].mlp.route for i in stock_moe})
         # Adapters wrap their (still unquantized) targets now; ``sanitize``
         # renames the base tensors under them, and mlx-lm quantizes and loads
         # the whole tree strictly as usual.

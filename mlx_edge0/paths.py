@@ -5,34 +5,63 @@ weights they hand it (and so in what they read and when):
 
 - ``ExactPath``: read the union of routed experts into one reused set of K
   rows (fresh buffers for a larger union, e.g. a prompt chunk).
-- ``HotPath``: gather from the hot cache's rows, reading misses into it.
-- ``StagedPath``: fill this layer's staged slots, gather via the
-  device-side slot table (current-step routing until the prerouter predicts).
+- ``HotPath``: gather from the hot cache's rows, reading misses into it
+  (the exact path for a routed set larger than the cache).
+- ``StagedPath``: fill this layer's staging buffer, gather via the
+  device-side slot table (a routed set larger than the buffer goes to the
+  decode fallback: hot or exact).
 - ``WholeLayerPath``: prompt chunks; the whole layer, read ahead.
 
-A path is chosen once per forward from the token count and the options
-(:meth:`StreamingRuntime.path_for`).
+Each path receives what it uses in its constructor (store, tiers, telemetry,
+compute dtype, the path it falls back to); paths compose, none inherits from
+another or knows the runtime. A path is chosen once per forward from the
+token count and the options (:meth:`StreamingRuntime.path`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from .expert_math import expert_glu
+from .hot import HotCache
+from .prefill import WholeLayerLoader
 from .slots import SlotBuffers
+from .staging import StagingBuffer
+from .store import ExpertStore
+from .telemetry import Telemetry
 
-if TYPE_CHECKING:
-    from .runtime import StreamingRuntime
+Union = tuple[np.ndarray, np.ndarray]  # sorted unique expert ids, each index's position among them
+
+
+def routed_union(layer: int, inds: mx.array, telemetry: Telemetry) -> Union:
+    """Sorted unique experts of ``inds`` and each index's position among them
+    (a host sync); appended to ``telemetry.routing_trace`` when one is recording."""
+    host = np.array(inds)  # evaluates the graph up to this layer's router
+    ids, inverse = np.unique(host, return_inverse=True)
+    if telemetry.routing_trace is not None:
+        telemetry.routing_trace.append((layer, ids.tolist()))
+    return ids, inverse.reshape(host.shape)
 
 
 class ExactPath:
     name = "exact"
 
-    def __init__(self, runtime: "StreamingRuntime"):
-        self.runtime = runtime
+    def __init__(
+        self,
+        store: ExpertStore,
+        telemetry: Telemetry,
+        compute_dtype: Optional[mx.Dtype],
+        pool_dtype: Optional[mx.Dtype],
+        rows: int,
+    ):
+        self.store = store
+        self.telemetry = telemetry
+        self.compute_dtype = compute_dtype
+        self.pool_dtype = pool_dtype
+        self.rows = rows
         # Rows for one routed set (K), reused by every call whose union fits:
         # allocating and zeroing a fresh buffer per decode call costs time on
         # every step (BENCHMARKS.md, "Measurements behind code comments").
@@ -42,80 +71,93 @@ class ExactPath:
     def begin(self, layer: int) -> None:
         pass
 
-    def routed_union(self, layer: int, inds: mx.array) -> tuple[np.ndarray, np.ndarray]:
-        """Sorted unique experts and each index's position among them (host
-        sync); appended to the runtime's routing trace when one is recording."""
-        host = np.array(inds)  # evaluates the graph up to this layer's router
-        ids, inverse = np.unique(host, return_inverse=True)
-        trace = self.runtime.routing_trace
-        if trace is not None:
-            trace.append((layer, ids.tolist()))
-        return ids, inverse.reshape(host.shape)
-
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        rt = self.runtime
-        ids, local = self.routed_union(layer, inds)
+        return self.from_union(layer, x, inds, routed_union(layer, inds, self.telemetry))
+
+    def from_union(self, layer: int, x: mx.array, inds: mx.array, union: Union) -> mx.array:
+        ids, local = union
         local = mx.array(local.astype(np.uint32))
-        if len(ids) > max(rt.k_of.values()):
-            return expert_glu(x, local, rt.store.read(layer, ids, rt.compute_dtype))
+        if len(ids) > self.rows:
+            return expert_glu(x, local, self.store.read(layer, ids, self.compute_dtype))
         if self.scratch is None:
-            self.scratch = SlotBuffers(rt.store.geometry, max(rt.k_of.values()), rt.pool_dtype)
-        scratch = self.scratch
-        scratch.settle_readers()  # free in decode: this layer's sync evaluated them
-        rt.store.submit(layer, ids, range(len(ids)), scratch, urgent=True).wait()
-        y = expert_glu(x, local, scratch.weights().with_scales_dtype(rt.compute_dtype))
-        scratch.read_by(y)
-        return y
+            self.scratch = SlotBuffers(self.store.geometry, self.rows, self.pool_dtype)
+        # Rewriting the rows settles their readers: free in decode, where this
+        # layer's sync evaluated them.
+        self.store.submit(layer, ids, range(len(ids)), self.scratch, urgent=True).wait()
+        return self.scratch.compute(x, local, self.compute_dtype)
 
 
-class HotPath(ExactPath):
+class HotPath:
     name = "hot"
 
-    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        rt = self.runtime
-        ids, local = self.routed_union(layer, inds)
-        rows = rt.hot.fetch(layer, ids)
-        if rows is None:  # the routed set is larger than the whole cache
-            return rt.exact.experts(layer, x, inds)
-        weights = rt.hot.buffers.weights().with_scales_dtype(rt.compute_dtype)
-        y = expert_glu(x, mx.array(rows[local].astype(np.uint32)), weights)
-        rt.hot.buffers.read_by(y)
-        return y
-
-
-class StagedPath(ExactPath):
-    name = "staged"
-
-    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        rt = self.runtime
-        ids, _ = self.routed_union(layer, inds)
-        slots = rt.staged[layer]
-        if len(ids) > slots.slots:
-            rt.telemetry.current.staged_fallbacks += 1
-            return rt.decode_fallback.experts(layer, x, inds)
-        staged = slots.stage(ids, rt.hot)
-        try:
-            staged.reads.wait()
-        except BaseException:
-            slots.invalidate()
-            raise
-        local = mx.take(staged.slot_table, inds)
-        weights = slots.weights().with_scales_dtype(rt.compute_dtype)
-        y = expert_glu(x, local, weights)
-        slots.buffers.read_by(y)
-        return y
-
-
-class WholeLayerPath(ExactPath):
-    name = "whole-layer"
+    def __init__(self, hot: HotCache, exact: ExactPath, telemetry: Telemetry, compute_dtype: Optional[mx.Dtype]):
+        self.hot = hot
+        self.exact = exact
+        self.telemetry = telemetry
+        self.compute_dtype = compute_dtype
 
     def begin(self, layer: int) -> None:
-        self.runtime.loader.start(layer)
+        pass
 
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        rt = self.runtime
+        return self.from_union(layer, x, inds, routed_union(layer, inds, self.telemetry))
+
+    def from_union(self, layer: int, x: mx.array, inds: mx.array, union: Union) -> mx.array:
+        ids, local = union
+        rows = self.hot.fetch(layer, ids)
+        if rows is None:  # the routed set is larger than the whole cache
+            return self.exact.from_union(layer, x, inds, union)
+        return self.hot.buffers.compute(x, mx.array(rows[local].astype(np.uint32)), self.compute_dtype)
+
+
+class StagedPath:
+    name = "staged"
+
+    def __init__(
+        self,
+        buffers: dict[int, StagingBuffer],
+        fallback: "ExactPath | HotPath",
+        hot: Optional[HotCache],
+        telemetry: Telemetry,
+        compute_dtype: Optional[mx.Dtype],
+    ):
+        self.buffers = buffers
+        self.fallback = fallback
+        self.hot = hot
+        self.telemetry = telemetry
+        self.compute_dtype = compute_dtype
+
+    def begin(self, layer: int) -> None:
+        pass
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        union = routed_union(layer, inds, self.telemetry)
+        buffer = self.buffers[layer]
+        if len(union[0]) > buffer.capacity:
+            self.telemetry.current.staged_fallbacks += 1
+            return self.fallback.from_union(layer, x, inds, union)
+        fill = buffer.stage(union[0], self.hot)
+        try:
+            fill.reads.wait()
+        except BaseException:
+            buffer.invalidate()
+            raise
+        return buffer.rows.compute(x, mx.take(fill.slot_table, inds), self.compute_dtype)
+
+
+class WholeLayerPath:
+    name = "whole-layer"
+
+    def __init__(self, loader: WholeLayerLoader, compute_dtype: Optional[mx.Dtype]):
+        self.loader = loader
+        self.compute_dtype = compute_dtype
+
+    def begin(self, layer: int) -> None:
+        self.loader.start(layer)
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         # Compute everything up to this router while this layer's read (started
         # by the previous layer) lands; then start the next layer's read.
         mx.eval(inds)
-        weights = rt.loader.take(layer).with_scales_dtype(rt.compute_dtype)
+        weights = self.loader.take(layer).with_scales_dtype(self.compute_dtype)
         return expert_glu(x, inds, weights)

@@ -5,11 +5,11 @@ post-attention-norm output) and its top-k one-hots at t and t-1, producing
 router logits for the consumer layer N+1 at step t+1. When step t+1 opens
 (its first MoE layer), all predictions are turned into routing at once — the
 consumer's *own* routing math on the predicted logits, one host sync per step
-— and every consumer's staged buffer starts filling with exactly that set
+— and every consumer's staging buffer starts filling with exactly that set
 (the union over the batch). The consumer layer later waits only for its own
 reads and computes with those indices and weights: the staged set is the
-routed set, so nothing is dropped and nothing falls back (counted in
-telemetry: ``prerouted``, ``staged_drops``).
+routed set, so nothing is dropped and nothing falls back (telemetry counts
+``prerouted`` layer calls).
 
 Per-sequence state (each owner's last one-hot, its prediction, and whether
 that prediction is valid) lives in one extra ``ArraysCache`` appended to the
@@ -29,63 +29,112 @@ sequence all compute the same numbers (the heads' rows do not depend on how
 many rows are multiplied at once). Only decode stages: a prompt chunk routes
 with the same predictions but reads its experts like any prefill.
 
-With a staged window (``Options.staged_window`` = N) the routing is still
-decided when the step opens, but only the first N prerouted layers' fills
-start then; the others take the window's buffers in turn, each fill starting
-when the host reaches the prerouted layer ``HOST_AHEAD`` places before the
-buffer's next user, once that buffer's last reader has been computed.
+With a window (``Options.staged_window`` = N staging buffers) the routing is
+still decided when the step opens, but only the first N prerouted layers'
+fills start then; the others take the window's buffers in turn, each fill
+starting when the host reaches the prerouted layer ``HOST_AHEAD`` places
+before the buffer's next user, once that buffer's last reader has been
+computed (:func:`window_buffer`, :func:`fills_at_open`, :func:`refill_at`).
+
+:class:`Prerouting` knows no blocks and no runtime: it receives the heads,
+one route callable per consumer layer (that layer's routing math: logits
+``[B, L, E]`` -> indices, scores ``[B, L, K]``), the staging buffers, the hot
+cache and the telemetry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from .expert_math import expert_glu
-from .prerouter import PrerouterHead, topk_onehot
+from .hot import HotCache
 from .options import MIN_STAGED_WINDOW
-from .staged import StagedSet, StagedSlots
+from .prerouter import PrerouterHead, topk_onehot
+from .staging import Fill, StagingBuffer
+from .telemetry import Telemetry
 
-if TYPE_CHECKING:
-    from .runtime import StreamingRuntime
-    from .streaming import StreamingMoE
+Route = Callable[[mx.array], tuple[mx.array, mx.array]]  # logits [B, L, E] -> inds, scores [B, L, K]
 
 SLOTS_PER_OWNER = 3  # one-hot at the last token, predicted logits, valid
-# Prerouted layers the host may build ahead of compute in a staged window:
+# Prerouted layers the host may build ahead of compute in a window:
 # refilling a buffer waits for its last reader, so the buffer refilled at a
 # layer is the one read this many prerouted layers before.
 HOST_AHEAD = MIN_STAGED_WINDOW - 1
 
 
+def window_buffer(rank: int, window: int) -> int:
+    """The window buffer the ``rank``-th planned consumer of a step fills."""
+    return rank % window
+
+
+def fills_at_open(planned: int, window: int) -> range:
+    """Ranks of the planned consumers whose fills start when the step opens:
+    all of them without a window (``window`` 0), else the first ``window``."""
+    return range(min(planned, window or planned))
+
+
+def refill_at(rank: int, window: int) -> Optional[int]:
+    """The rank whose fill starts when the host reaches the ``rank``-th
+    planned consumer: the next user of the buffer read ``HOST_AHEAD`` planned
+    consumers before (None without a window, or before that)."""
+    if not window or rank < HOST_AHEAD:
+        return None
+    return rank - HOST_AHEAD + window
+
+
 @dataclass(frozen=True)
-class Planned:
+class Plan:
     """A consumer layer's routing for this step, decided from the prediction."""
 
     inds: mx.array  # [B, 1, K]
     scores: mx.array  # [B, 1, K]
     ids: np.ndarray  # the unique routed experts over the batch (== the staged set)
-    staged: Optional[StagedSet] = None  # None: its fill has not started (a staged window)
-    slots: Optional[StagedSlots] = None  # the buffer it fills
+    fill: Optional[Fill] = None  # None: its fill has not started (a window)
+    buffer: Optional[StagingBuffer] = None  # the staging buffer it fills
 
 
 class Prerouting:
-    """Owner heads, the bound per-sequence state, and the staged fills they drive."""
+    """Owner heads, the bound per-sequence state, and the fills they drive."""
 
-    def __init__(self, runtime: "StreamingRuntime", heads: dict[int, PrerouterHead], consumer_of: dict[int, int]):
-        self.runtime = runtime
+    def __init__(
+        self,
+        heads: dict[int, PrerouterHead],
+        consumer_of: dict[int, int],
+        routes: dict[int, Route],
+        *,
+        buffers: dict[int, StagingBuffer],
+        window: list[StagingBuffer],
+        hot: Optional[HotCache],
+        telemetry: Telemetry,
+        compute_dtype: Optional[mx.Dtype],
+        num_experts: int,
+    ):
+        """
+        Args:
+            heads: owner layer -> its head.
+            consumer_of: owner layer -> the layer its head predicts.
+            routes: consumer layer -> its routing math.
+            buffers: consumer layer -> its staging buffer (without a window).
+            window: the window's staging buffers (empty: one per consumer).
+        """
         self.heads = heads
         self.consumer_of = consumer_of
+        self.routes = {c: routes[c] for c in consumer_of.values()}
+        self.buffers = buffers
+        self.window = window
+        self.hot = hot
+        self.telemetry = telemetry
+        self.compute_dtype = compute_dtype
+        self.num_experts = num_experts
         self.owners = sorted(consumer_of)
         self.owner_of = {c: o for o, c in consumer_of.items()}
-        self.blocks: dict[int, "StreamingMoE"] = {}
         self.state: Optional[ArraysCache] = None
-        self.planned: dict[int, Planned] = {}
+        self.planned: dict[int, Plan] = {}
         self.order: list[int] = []  # this step's planned consumers, in layer order
-        self.window = runtime.staged_window
         self.window_user: dict[int, int] = {}  # window buffer -> consumer last staged into it
         # consumer -> (use [B, L], predicted logits [B, L, E]): positions routed with
         # a prediction where the plan does not cover the whole forward
@@ -114,10 +163,10 @@ class Prerouting:
         self.partial.clear()
 
     @staticmethod
-    def _drop(planned: Planned) -> None:
-        if planned.staged is not None:
-            planned.staged.reads.settle()
-            planned.slots.invalidate()
+    def _drop(plan: Plan) -> None:
+        if plan.fill is not None:
+            plan.fill.reads.settle()
+            plan.buffer.invalidate()
 
     def begin_forward(self, length: int, x: Optional[mx.array] = None) -> None:
         """Turn the last step's predictions into routing and start the fills.
@@ -137,7 +186,7 @@ class Prerouting:
                 consumers.append(consumer)
                 logits.append(state[s + 1])
                 valids.append(state[s + 2])
-                routed.append(self.blocks[consumer].route(state[s + 1][:, None, :]))
+                routed.append(self.routes[consumer](state[s + 1][:, None, :]))
         if not consumers:
             return
         inds_all = mx.stack([inds for inds, _ in routed])  # [C, B, 1, K]
@@ -152,42 +201,42 @@ class Prerouting:
             if not valid_host[j].all():  # mixed batch: gate for the rest, on demand
                 self.partial[consumer] = (valids[j][:, None], logits[j][:, None, :])
                 continue
-            self.planned[consumer] = Planned(*routed[j], np.unique(inds_host[j]))
+            self.planned[consumer] = Plan(*routed[j], np.unique(inds_host[j]))
         self.order = sorted(self.planned)
-        for rank in range(min(len(self.order), len(self.window) or len(self.order))):
+        for rank in fills_at_open(len(self.order), len(self.window)):
             self._start(rank)
 
-    def _start(self, rank: int) -> Optional[Planned]:
+    def _start(self, rank: Optional[int]) -> Optional[Plan]:
         """Start the fill of the ``rank``-th planned consumer (no-op when
         started, taken or out of range)."""
-        if rank >= len(self.order) or (planned := self.planned.get(self.order[rank])) is None:
+        if rank is None or rank >= len(self.order) or (plan := self.planned.get(self.order[rank])) is None:
             return None
-        if planned.staged is not None:
-            return planned
+        if plan.fill is not None:
+            return plan
         consumer = self.order[rank]
         if self.window:
-            index = rank % len(self.window)
-            slots = self.window[index]
+            index = window_buffer(rank, len(self.window))
+            buffer = self.window[index]
             earlier = self.planned.pop(self.window_user.get(index, -1), None)
             if earlier is not None:  # never taken this step: it loses the buffer
                 self._drop(earlier)
             self.window_user[index] = consumer
-            slots.retarget(consumer)
+            buffer.retarget(consumer)
         else:
-            slots = self.runtime.staged[consumer]
-        if len(planned.ids) > slots.slots:
-            slots.grow(len(planned.ids))
-        planned = replace(planned, staged=slots.stage(planned.ids, self.runtime.hot, fill_hot=False), slots=slots)
-        self.planned[consumer] = planned
-        return planned
+            buffer = self.buffers[consumer]
+        if len(plan.ids) > buffer.capacity:
+            buffer.grow(len(plan.ids))
+        plan = replace(plan, fill=buffer.stage(plan.ids, self.hot, fill_hot=False), buffer=buffer)
+        self.planned[consumer] = plan
+        return plan
 
-    def take(self, layer: int) -> Optional[Planned]:
+    def take(self, layer: int) -> Optional[Plan]:
         """This step's plan for ``layer`` (its fill started), or None."""
         if layer not in self.planned:
             return None
-        planned = self._start(self.order.index(layer))
+        plan = self._start(self.order.index(layer))
         del self.planned[layer]
-        return planned
+        return plan
 
     def mix(self, layer: int, inds: mx.array, scores: mx.array) -> tuple[mx.array, mx.array]:
         """Routing for a forward the plan does not cover (a prompt chunk, or a
@@ -199,33 +248,22 @@ class Prerouting:
         if part is None:
             return inds, scores
         use, logits = part  # [B, L], [B, L, E]
-        p_inds, p_scores = self.blocks[layer].route(logits)
+        p_inds, p_scores = self.routes[layer](logits)
         use = use[..., None]
         return mx.where(use, p_inds, inds), mx.where(use, p_scores, scores)
 
-    def experts(self, layer: int, x: mx.array, planned: Planned) -> mx.array:
-        """Compute a prerouted layer from its staged buffer (waiting only for it)."""
-        rt = self.runtime
-        slots = planned.slots
+    def experts(self, layer: int, x: mx.array, plan: Plan) -> mx.array:
+        """Compute a prerouted layer from its staging buffer (waiting only for its reads)."""
+        buffer = plan.buffer
         mx.async_eval(x)  # the compute thread runs everything up to here while the reads land
-        rank = self.order.index(layer)
-        if self.window and rank >= HOST_AHEAD:
-            # The buffer read HOST_AHEAD prerouted layers ago goes to its next user.
-            self._start(rank - HOST_AHEAD + len(self.window))
+        self._start(refill_at(self.order.index(layer), len(self.window)))
         try:
-            planned.staged.reads.wait()
+            plan.fill.reads.wait()
         except BaseException:
-            slots.invalidate()
+            buffer.invalidate()
             raise
-        stats = rt.telemetry.current
-        stats.prerouted += 1
-        staged = set(slots.contents.tolist())
-        stats.staged_drops += sum(int(e) not in staged for e in planned.ids)
-        local = mx.take(planned.staged.slot_table, planned.inds)
-        weights = slots.weights().with_scales_dtype(rt.compute_dtype)
-        y = expert_glu(x, local, weights)
-        slots.buffers.read_by(y)
-        return y
+        self.telemetry.current.prerouted += 1
+        return buffer.rows.compute(x, mx.take(plan.fill.slot_table, plan.inds), self.compute_dtype)
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
         """Owner layers: run the head on every position; keep the prediction
@@ -238,9 +276,8 @@ class Prerouting:
         # x: [B, L, D]; inds: [B, L, K]; one-hots, predictions: [B, L, E]
         B, L = x.shape[0], x.shape[1]
         s = self._slot(layer)
-        num_experts = self.runtime.section.experts.num_experts
         old_now, old_logits, old_valid = state[s], state[s + 1], state[s + 2]
-        onehots = topk_onehot(inds, num_experts)
+        onehots = topk_onehot(inds, self.num_experts)
         carried = mx.zeros_like(onehots[:, 0]) if old_now is None else old_now * old_valid[:, None]
         prevs = mx.concatenate([carried[:, None], onehots[:, :-1]], axis=1)
         predicted = head(x, onehots, prevs)  # made at t, for t + 1

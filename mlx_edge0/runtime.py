@@ -1,9 +1,16 @@
-"""StreamingRuntime: what the streaming blocks of one model share.
+"""StreamingRuntime: what the streaming blocks of one model share, and the
+expert source they ask.
 
-It owns the expert store, the hot cache, the staged slots, the whole-layer
-loader and the telemetry, sizes them from :class:`Options` once, and picks a
-path per forward. Peak MLX memory during decode is resident weights + hot
-cache + staged slots (or window) + KV: all fixed at load, independent of the checkpoint's
+It owns the expert store, the hot cache, the staging buffers, the whole-layer
+loader, the paths and the telemetry, sizes them from :class:`Options` once,
+and answers the blocks' three questions (:class:`mlx_edge0.streaming.ExpertSource`):
+is this call's routing planned (:meth:`begin`), what routes the rest
+(:meth:`mix`), and the experts for a routing (:meth:`experts`), on the path
+it picks per forward. It never calls into a block: the prerouter gets each
+consumer's routing math as a callable (:meth:`attach`).
+
+Peak MLX memory during decode is resident weights + hot cache + staging
+buffers (or window) + KV: all fixed at load, independent of the checkpoint's
 size and of generation length, once MLX's buffer cache is capped so freed
 transients do not pile up (process-wide, so the caller's choice:
 :meth:`mlx_edge0.model.Edge0Model.limit_buffer_cache`).
@@ -13,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -24,27 +31,22 @@ from .options import Options
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
 from .prerouter import load_heads
-from .prerouting import Prerouting
+from .prerouting import Plan, Prerouting, Route
 from .slots import SlotBuffers
-from .staged import StagedSlots
+from .staging import StagingBuffer
 from .store import ExpertStore, pool_scales_dtype
+from .streaming import ExpertSource
 from .telemetry import Telemetry
-
-if TYPE_CHECKING:
-    from .streaming import StreamingMoE
 
 
 class StreamingRuntime:
-    """Store, caches, paths and telemetry of one loaded model."""
+    """Store, caches, paths and telemetry of one loaded model: its expert source."""
 
     def __init__(self, checkpoint_dir: Path, section: Edge0Section, options: Options):
         self.options = options
         self.section = section
         self.compute_dtype = options.dtype()
         self.telemetry = Telemetry()
-        # Set to a list to record (layer, routed expert ids) of every synced
-        # MoE call, e.g. to compare cache policies on a real trace.
-        self.routing_trace: Optional[list[tuple[int, list[int]]]] = None
         self.store = ExpertStore(
             checkpoint_dir,
             section,
@@ -74,74 +76,77 @@ class StreamingRuntime:
         self.k_of = {layer: k for layer in layers}
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
-        consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
+        self.consumer_of = consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
         if consumer_of and mx.default_device() == mx.cpu:
             for head in heads.values():  # otherwise they stay unread until a forward uses them
                 head.hold_transposed()
-        # Staged buffers: per layer (the staged path, and the prerouted layers
+        # Staging buffers: per layer (the staged path, and the prerouted layers
         # without a window), or a window the prerouted layers take in turn.
         window = min(options.staged_window, len(consumer_of))
         staged_layers = layers if options.staged else ([] if window else sorted(consumer_of.values()))
         # A layer never routes to more experts than it has: more slots would stay empty.
-        self.staged = {
-            layer: StagedSlots(
+        self.staging = {
+            layer: StagingBuffer(
                 self.store, layer, min(options.staged_slots or self.k_of[layer], g.num_experts), pool_dtype
             )
             for layer in staged_layers
         }
-        self.staged_window = [
-            StagedSlots(self.store, -1, min(options.staged_slots or spec.k, g.num_experts), pool_dtype)
+        self.window = [
+            StagingBuffer(self.store, -1, min(options.staged_slots or spec.k, g.num_experts), pool_dtype)
             for _ in range(window)
         ]
         self.loader = WholeLayerLoader(self.store, layers, pool_dtype, drop_pages=options.page_cache == "drop-prefill")
-        self.exact = ExactPath(self)
-        self.decode_fallback = HotPath(self) if self.hot else self.exact
-        self.decode = StagedPath(self) if options.staged else self.decode_fallback
-        self.whole_layer = WholeLayerPath(self)
+        dtype, tel = self.compute_dtype, self.telemetry
+        self.exact = ExactPath(self.store, tel, dtype, pool_dtype, max(self.k_of.values()))
+        self.decode_fallback = HotPath(self.hot, self.exact, tel, dtype) if self.hot else self.exact
+        self.decode = (
+            StagedPath(self.staging, self.decode_fallback, self.hot, tel, dtype)
+            if options.staged
+            else self.decode_fallback
+        )
+        self.whole_layer = WholeLayerPath(self.loader, dtype)
         self.first_layer = layers[0]
         self.heads = heads
-        self.prerouting = Prerouting(self, self.heads, consumer_of) if consumer_of else None
-        # Set inside ``training_forward``: the whole-sequence training forward
-        # (mlx_edge0.train.student) that routes and computes every MoE call.
-        self.training_path = None
+        self.prerouting: Optional[Prerouting] = None  # made by ``attach``
+        # Set inside ``training_forward``: the expert source of the
+        # whole-sequence training forward (mlx_edge0.train.student).
+        self.training_source: Optional[ExpertSource] = None
 
-    def attach(self, blocks: dict[int, "StreamingMoE"]) -> None:
-        """Give the prerouter the blocks whose routing math it applies."""
-        if self.prerouting is not None:
-            self.prerouting.blocks = dict(blocks)
+    def attach(self, routes: dict[int, Route]) -> None:
+        """Give the prerouter each MoE layer's routing math (layer -> the
+        block's ``route``); with the prerouter on, this makes it."""
+        if self.consumer_of:
+            self.prerouting = Prerouting(
+                self.heads,
+                self.consumer_of,
+                routes,
+                buffers=self.staging,
+                window=self.window,
+                hot=self.hot,
+                telemetry=self.telemetry,
+                compute_dtype=self.compute_dtype,
+                num_experts=self.section.experts.num_experts,
+            )
 
     @contextmanager
-    def training_forward(self, path) -> Iterator:
-        """Hand every MoE call of the forwards run inside to ``path``
-        (``path.routed_experts(block, x)``) instead of the serving paths."""
-        self.training_path = path
+    def training_forward(self, source: ExpertSource) -> Iterator:
+        """Hand every MoE call of the forwards run inside to ``source``
+        instead of the serving paths."""
+        self.training_source = source
         try:
-            yield path
+            yield source
         finally:
-            self.training_path = None
+            self.training_source = None
 
-    def routed_experts(self, block: "StreamingMoE", x: mx.array):
-        """Route one MoE call and compute its experts: (inds, scores, [B, L, K, D])."""
-        if self.training_path is not None:
-            return self.training_path.routed_experts(block, x)
-        layer = block.layer
-        path = self.path_for(layer, x)
-        planned = self.prerouting.take(layer) if self.prerouting else None
-        if planned is not None:
-            y = self.prerouting.experts(layer, x, planned)
-            inds, scores = planned.inds, planned.scores
-        else:
-            inds, scores = block.route(block.router_logits(x))
-            if self.prerouting is not None:
-                inds, scores = self.prerouting.mix(layer, inds, scores)
-            y = path.experts(layer, x, inds)
-        if self.prerouting is not None:
-            self.prerouting.observe(layer, x, inds)
-        return inds, scores, y
+    # ------------------------------------------------ the expert source
 
-    def path_for(self, layer: int, x: mx.array):
-        """The path for this forward (x: [B, L, D]); opens a telemetry step at
-        the first MoE layer and starts any read that can begin before routing."""
+    def begin(self, layer: int, x: mx.array) -> Optional[Plan]:
+        """Open one MoE call (x: [B, L, D]): at the first MoE layer, open a
+        telemetry step and turn the last step's predictions into plans; start
+        any read that can begin before routing. Returns this layer's plan
+        (prerouted decode) or None: the block routes with its gate."""
+        if self.training_source is not None:
+            return self.training_source.begin(layer, x)
         batch, length = x.shape[0], x.shape[1]
         if layer == self.first_layer:
             self.telemetry.begin_step(batch * length)
@@ -149,11 +154,36 @@ class StreamingRuntime:
                 self.loader.clear()
             if self.prerouting is not None:
                 self.prerouting.begin_forward(length, x)
-        path = self._choose(batch, length)
-        path.begin(layer)
-        return path
+        self.path(batch, length).begin(layer)
+        return self.prerouting.take(layer) if self.prerouting is not None else None
 
-    def _choose(self, batch: int, length: int):
+    def mix(
+        self, layer: int, x: mx.array, logits: mx.array, inds: mx.array, scores: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """The routing of a call without a plan, from its gate's (``logits``,
+        ``inds``, ``scores``): predicted positions take the prediction."""
+        if self.training_source is not None:
+            return self.training_source.mix(layer, x, logits, inds, scores)
+        if self.prerouting is None:
+            return inds, scores
+        return self.prerouting.mix(layer, inds, scores)
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan]) -> mx.array:
+        """The routed experts' outputs ``[B, L, K, D]`` for routing ``inds``."""
+        if self.training_source is not None:
+            return self.training_source.experts(layer, x, inds, plan)
+        if plan is not None:
+            y = self.prerouting.experts(layer, x, plan)
+        else:
+            y = self.path(x.shape[0], x.shape[1]).experts(layer, x, inds)
+        if self.prerouting is not None:
+            self.prerouting.observe(layer, x, inds)
+        return y
+
+    # ------------------------------------------------------------------
+
+    def path(self, batch: int, length: int):
+        """The path of a forward of ``batch`` x ``length`` tokens."""
         if length == 1:
             return self.decode
         mode = self.options.prefill
@@ -168,7 +198,7 @@ class StreamingRuntime:
     def resident_bytes(self) -> dict[str, int]:
         return {
             "hot": self.hot.nbytes if self.hot else 0,
-            "staged": sum(s.nbytes for s in [*self.staged.values(), *self.staged_window]),
+            "staged": sum(b.nbytes for b in [*self.staging.values(), *self.window]),
             "exact": self.exact.scratch.nbytes if self.exact.scratch else 0,
             "prerouter_heads": sum(v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters()))
             if self.prerouting is not None

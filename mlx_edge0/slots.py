@@ -13,23 +13,26 @@ start a few bytes past one), so uncached ``O_DIRECT`` reads of parts whose
 sizes are whole pages land in place instead of through a bounce buffer.
 
 Invariant: a row is only rewritten when no unevaluated graph still reads it.
-Every computation from the rows is recorded (:meth:`SlotBuffers.read_by`) and
-evaluated before a rewrite (:meth:`SlotBuffers.settle_readers`). In a decode
-loop each step is evaluated before the next is built, so this costs nothing;
-it matters when a caller builds several steps without evaluating them (e.g.
-teacher-forced scoring one token at a time).
+It is enforced by the only two ways in and out of the rows: every
+computation from them goes through :meth:`SlotBuffers.compute`, which records
+it, and every write goes through :meth:`SlotBuffers.rows_for_writing` (the
+store's reads) or :meth:`SlotBuffers.copy_row`, which evaluate the recorded
+computations first. In a decode loop each step is evaluated before the next
+is built, so this costs nothing; it matters when a caller builds several
+steps without evaluating them (e.g. teacher-forced scoring one token at a
+time).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .checkpoint import ExpertGeometry
-from .expert_math import ExpertWeights, Projection
+from .expert_math import ExpertWeights, Projection, expert_glu
 from .tensorfile import DTYPES, MX_TO_CODE
 
 PAGE = 4096  # alignment of each part's data (and of O_DIRECT offsets, lengths, buffers)
@@ -68,7 +71,7 @@ class SlotBuffers:
             dt = DTYPES[dtype][0] if part == "weight" else self.scales_dtype
             self.arrays.append(page_aligned_zeros((capacity, *shape), dt))
         self._views = [memoryview(a).cast("B") for a in self.arrays]
-        self.readers: list[mx.array] = []
+        self._readers: list[mx.array] = []  # computations from the rows not known to be evaluated
         self.row_bytes = [v.nbytes // capacity for v in self._views]
 
     @property
@@ -85,28 +88,39 @@ class SlotBuffers:
         )
 
     def row_views(self, row: int) -> list[memoryview]:
-        """Writable byte views of one row's nine parts (for I/O threads)."""
+        """Byte views of one row's nine parts. Only for reading, or for
+        writing through :meth:`rows_for_writing`."""
         return [v[row * n : (row + 1) * n] for v, n in zip(self._views, self.row_bytes)]
 
+    def rows_for_writing(self, rows: Sequence[int]) -> list[list[memoryview]]:
+        """Writable byte views of ``rows`` (for I/O threads), once every
+        computation recorded as reading these buffers is evaluated. Call on
+        the compute thread."""
+        self._settle_readers()
+        return [self.row_views(row) for row in rows]
+
     def copy_row(self, src: "SlotBuffers", src_row: int, dst_row: int) -> None:
-        """memcpy one resident bundle into a row (same geometry and dtype)."""
-        for d, s in zip(self.row_views(dst_row), src.row_views(src_row)):
+        """memcpy one resident bundle into a row (same geometry and dtype),
+        once the rows' readers are evaluated."""
+        for d, s in zip(self.rows_for_writing([dst_row])[0], src.row_views(src_row)):
             d[:] = s
 
-    def read_by(self, out: mx.array) -> None:
-        """Record that ``out`` (maybe unevaluated) was computed from these rows.
+    def compute(self, x: mx.array, indices: mx.array, scales_dtype: Optional[mx.Dtype]) -> mx.array:
+        """:func:`expert_glu` of ``x`` with rows ``indices`` (scales cast to
+        ``scales_dtype``), recorded as reading the rows until the next write.
 
-        ``out`` itself is kept (no extra op, so settling an evaluated one
-        launches nothing); callers read these buffers only at decode and for
-        small prompt chunks, so what is kept is small, and only until the
-        next rewrite."""
-        self.readers.append(out)
+        The output itself is kept (no extra op, so settling an evaluated one
+        launches nothing); these buffers are read only at decode and for small
+        prompt chunks, so what is kept is small, and only until the next
+        rewrite."""
+        y = expert_glu(x, indices, self.weights().with_scales_dtype(scales_dtype))
+        self._readers.append(y)
+        return y
 
-    def settle_readers(self) -> None:
-        """Evaluate every recorded computation, so rows may be rewritten."""
-        if self.readers:
-            mx.eval(self.readers)
-            self.readers.clear()
+    def _settle_readers(self) -> None:
+        if self._readers:
+            mx.eval(self._readers)
+            self._readers.clear()
 
     def weights(self) -> ExpertWeights:
         a = self.arrays

@@ -441,7 +441,9 @@ class ExpertStore:
         rows. ``drop_pages`` evicts the bytes from the OS page cache once they
         are in ``target`` (for one-shot streaming reads). ``urgent`` reads
         (the caller waits for them now) run on threads no read-ahead waits
-        on. Call on the compute thread; returns at once.
+        on. Every computation recorded as reading ``target`` is evaluated first
+        (:meth:`SlotBuffers.rows_for_writing`). Call on the compute thread;
+        returns at once.
         """
         lf = self._layer_file(layer)
         drop_pages = drop_pages and hasattr(os, "posix_fadvise") and not lf.bypass_page_cache
@@ -453,11 +455,12 @@ class ExpertStore:
         pad = memoryview(self._pad)[: lf.stride - lf.bundle_bytes]
         max_run = max(1, IOV_MAX // (len(part_bytes) + 1))
         pool = self._pools[1 if urgent else 0]
+        views = target.rows_for_writing([row for _, row in pairs])  # settles the rows' readers
         futures = []
         for run in plan_reads([e for e, _ in pairs], lf.offsets, lf.stride, max_run):
             parts = []
             for j in range(len(run.ids)):
-                parts.extend(zip(target.row_views(pairs[run.first_row + j][1]), part_bytes))
+                parts.extend(zip(views[run.first_row + j], part_bytes))
                 if pad.nbytes and j < len(run.ids) - 1:
                     parts.append((pad, pad.nbytes))
             futures.append(

@@ -8,6 +8,7 @@ integer additions per MoE layer, cheap enough to leave on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 
 @dataclass
@@ -22,14 +23,14 @@ class Stats:
         reads: ``preadv`` calls (coalesced runs).
         exposed_wait_s: time the compute thread blocked waiting for reads.
         hot_hits / hot_misses: routed experts found / not found in the hot cache.
-        staged_kept / staged_copied / staged_read: staged slots already holding
-            the expert, filled by copying a resident bundle, filled from disk;
-            ``slot_rewrites`` = copied + read.
-        staged_fallbacks: decode calls whose routed set did not fit the slots.
+        staged_kept / staged_copied / staged_read: slots of staging buffers
+            already holding the expert, filled by copying a resident bundle,
+            filled from disk; ``slot_rewrites`` = copied + read.
+        staged_fallbacks: staged-path calls whose routed set did not fit the
+            layer's staging buffer (computed by the hot or exact path).
         whole_layer_loads: layers read whole for a prompt chunk.
-        prerouted: layer calls routed by the prerouter's prediction.
-        staged_drops: routed experts missing from a prerouted layer's staged
-            set (zero by construction: the prediction is the routing).
+        prerouted: layer calls routed by the prerouter's prediction and
+            computed from the staging buffer filled with exactly that routing.
         read_errors: read batches that failed (raised in the caller).
     """
 
@@ -47,7 +48,6 @@ class Stats:
     staged_fallbacks: int = 0
     whole_layer_loads: int = 0
     prerouted: int = 0
-    staged_drops: int = 0
     read_errors: int = 0
 
     def __add__(self, other: "Stats") -> "Stats":
@@ -66,11 +66,17 @@ class Stats:
 
 @dataclass
 class Telemetry:
-    """The running total and the last completed step."""
+    """The running total and the last completed step.
+
+    ``routing_trace``: set it to a list to record ``(layer, routed expert
+    ids)`` of every MoE call that brings its routing to the host (e.g. to
+    compare cache policies on a real trace).
+    """
 
     total: Stats = field(default_factory=Stats)
     current: Stats = field(default_factory=Stats)
     last_step: Stats = field(default_factory=Stats)
+    routing_trace: Optional[list[tuple[int, list[int]]]] = None
 
     def begin_step(self, tokens: int) -> None:
         """Close the running step (if any) and open a new one."""
@@ -105,7 +111,7 @@ def format_stats(stats: dict) -> str:
         f"  hot cache       {hits} hits, {misses} misses{hit_rate}",
         f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
         f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",
-        f"  prerouted       {stats['prerouted']} layer calls, {stats['staged_drops']} dropped experts",
+        f"  prerouted       {stats['prerouted']} layer calls",
         f"  resident        {resident}",
         f"  peak memory     {human_bytes(stats['peak_memory'])} (MLX)",
     ]

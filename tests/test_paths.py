@@ -21,7 +21,7 @@ import mlx_edge0
 from mlx_edge0.expert_math import expert_glu
 from mlx_edge0.slots import SlotBuffers
 from mlx_edge0.hot import FrequencyPolicy, LRUPolicy, plan_fill
-from mlx_edge0.staged import plan_staging
+from mlx_edge0.staging import plan_staging
 from mlx_edge0.store import ExpertReadError
 from mlx_edge0.streaming import StreamingMoE
 
@@ -183,21 +183,20 @@ def test_fill_never_changes_a_step_that_read_the_rows(converted):
     model = mlx_edge0.load_model(converted("qwen3_moe").edge0, cache_gib=0, staged=True)
     rt = model.edge0_runtime
     block = _blocks(model)[0]
-    slots = rt.staged[block.layer]
+    buffer = rt.staging[block.layer]
     x = mx.random.normal((1, 1, model.edge0_section.experts.hidden_size))
     inds = mx.array([[[1, 4, 6, 9]]], mx.uint32)
     want = rt.exact.experts(block.layer, x, inds)
 
-    current = slots.stage([1, 4, 6, 9])
+    current = buffer.stage([1, 4, 6, 9])
     current.reads.wait()
-    y = expert_glu(x, mx.take(current.slot_table, inds), slots.weights())  # not evaluated
-    slots.buffers.read_by(y)
-    following = slots.stage([0, 2, 3, 5])  # rewrites every row
+    y = buffer.rows.compute(x, mx.take(current.slot_table, inds), None)  # not evaluated
+    following = buffer.stage([0, 2, 3, 5])  # rewrites every row
     following.reads.wait()
-    assert sorted(slots.contents.tolist()) == [0, 2, 3, 5]
+    assert sorted(buffer.contents.tolist()) == [0, 2, 3, 5]
     assert mx.array_equal(y, want).item()
     new_inds = mx.array([[[0, 2, 3, 5]]], mx.uint32)
-    got = expert_glu(x, mx.take(following.slot_table, new_inds), slots.weights())
+    got = expert_glu(x, mx.take(following.slot_table, new_inds), buffer.weights())
     assert mx.array_equal(got, rt.exact.experts(block.layer, x, new_inds)).item()
 
 
@@ -216,17 +215,17 @@ def test_exact_path_reuses_one_set_of_rows(converted):
 def test_fill_keeps_wanted_experts_in_place(converted):
     model = mlx_edge0.load_model(converted("qwen3_moe").edge0, cache_gib=0, staged=True)
     rt = model.edge0_runtime
-    slots = rt.staged[_blocks(model)[0].layer]
-    slots.stage([1, 4, 6, 9]).reads.wait()
-    before = dict(zip(slots.contents.tolist(), range(slots.slots)))
+    buffer = rt.staging[_blocks(model)[0].layer]
+    buffer.stage([1, 4, 6, 9]).reads.wait()
+    before = dict(zip(buffer.contents.tolist(), range(buffer.capacity)))
     model.reset_stats()
-    staged = slots.stage([9, 4, 0, 2])
+    staged = buffer.stage([9, 4, 0, 2])
     staged.reads.wait()
     s = model.stats()
     assert (s["staged_kept"], s["staged_read"], s["staged_copied"]) == (2, 2, 0)
     table = np.array(staged.slot_table)
     assert table[4] == before[4] and table[9] == before[9]
-    assert sorted(slots.contents.tolist()) == [0, 2, 4, 9]
+    assert sorted(buffer.contents.tolist()) == [0, 2, 4, 9]
 
 
 # -------------------------------------------------------------- budget, memory
@@ -295,3 +294,25 @@ def test_stats_telemetry(converted):
     assert s["peak_memory"] > 0
     model.reset_stats()
     assert model.stats()["expert_loads"] == 0
+
+
+# ------------------------------------------------- the slot-buffer invariant
+
+
+def test_rows_are_rewritten_only_after_their_readers_are_evaluated():
+    """Writes go through the buffers, which evaluate every recorded reader
+    first: a computation built before a rewrite sees the old rows."""
+    from fakes import FakeStore
+
+    store = FakeStore()
+    buffers = SlotBuffers(store.geometry, 2)
+    x = mx.random.normal((1, 1, store.geometry.hidden_size), key=mx.random.key(0))
+    inds = mx.array([[[0, 1]]], mx.uint32)
+    store.submit(0, [3, 5], [0, 1], buffers).wait()
+    y = buffers.compute(x, inds, None)  # recorded, not evaluated
+    want = expert_glu(x, mx.array([[[3, 5]]], mx.uint32), store.weights(0))
+    store.submit(0, [6, 7], [0, 1], buffers).wait()  # rewrites both rows
+    assert mx.array_equal(y, want).item()
+    z = buffers.compute(x, inds, None)
+    buffers.copy_row(buffers, 0, 1)  # a copy settles the readers too
+    assert mx.array_equal(z, expert_glu(x, mx.array([[[6, 7]]], mx.uint32), store.weights(0))).item()

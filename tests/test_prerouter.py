@@ -179,8 +179,10 @@ def test_prerouted_decode_stages_exactly_the_routed_set(with_heads, family):
         s = model.stats()
         consumers = len(model.edge0_runtime.prerouting.consumer_of)
         assert s["prerouter"] is True
-        assert s["prerouted"] >= consumers * 195  # every decode step, every consumer
-        assert s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+        # one prompt forward, then one-token forwards: every one of those is
+        # prerouted on every consumer (none routed by its gate on demand)
+        assert s["steps"] >= 196 and s["prerouted"] == consumers * (s["steps"] - 1)
+        assert s["staged_kept"] + s["slot_rewrites"] > 0 and s["expert_loads"] > 0
     assert runs[0] == runs[1]  # deterministic
 
 
@@ -211,7 +213,8 @@ def test_prerouter_off_is_exact_and_oracle_heads_reproduce_exact(with_heads, con
         pre.heads[owner] = OracleHead(recorded[consumer])
     model.reset_stats()
     assert greedy(model, ids, 40) == want
-    assert model.stats()["prerouted"] > 0 and model.stats()["staged_drops"] == 0
+    s = model.stats()
+    assert s["prerouted"] == len(pre.consumer_of) * (s["steps"] - 1)
 
 
 def test_k_override_is_a_file_swap(with_heads):
@@ -228,12 +231,12 @@ def test_k_override_is_a_file_swap(with_heads):
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, StreamingMoE):
             assert layer.mlp.top_k == (2 if i in consumers else 4)
-    staged = model.edge0_runtime.staged  # a lower K holds fewer slots
-    assert {layer: s.slots for layer, s in staged.items()} == {c: 2 for c in consumers}
-    model.edge0_runtime.routing_trace = trace = []
+    staging = model.edge0_runtime.staging  # a lower K holds fewer slots
+    assert {layer: b.capacity for layer, b in staging.items()} == {c: 2 for c in consumers}
+    model.edge0_runtime.telemetry.routing_trace = trace = []
     greedy(model, _prompt_ids(path), 20)
     s = model.stats()
-    assert s["prerouted"] > 0 and s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+    assert s["prerouted"] == len(consumers) * (s["steps"] - 1)
     assert all(len(ids) <= 4 for _, ids in trace)  # the first MoE layer keeps K=4
     info = CliRunner().invoke(main, ["info", str(path)]).output
     assert "K=2 on layers [2, 3]" in info and "K=4 on layers [1]" in info
@@ -263,7 +266,7 @@ def test_batched_prompts_equal_each_run_alone(with_heads, family):
     model.reset_stats()
     batched = batch_generate(model, tokenizer, prompts, max_tokens=24, return_token_ids=True)
     s = model.stats()
-    assert s["prerouted"] > 0 and s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+    assert s["prerouted"] > 0
     eos = set(tokenizer.eos_token_ids)
     for want, got in zip(alone, batched.token_ids):
         stop = next((i for i, t in enumerate(want) if t in eos), len(want))
@@ -322,7 +325,7 @@ def test_staged_window_computes_the_same_numbers_in_fewer_rows(cache_gib):
     per_layer = mlx_edge0.load_model(path, cache_gib=cache_gib)
     window = mlx_edge0.load_model(path, cache_gib=cache_gib, staged_window=3)
     rt = window.edge0_runtime
-    assert len(rt.prerouting.consumer_of) == 5 and rt.staged == {} and len(rt.staged_window) == 3
+    assert len(rt.prerouting.consumer_of) == 5 and rt.staging == {} and len(rt.window) == 3
     assert window.stats()["resident_bytes"]["staged"] * 5 == per_layer.stats()["resident_bytes"]["staged"] * 3
     ids = tokenizer.encode(PROMPTS[2])
     want = _greedy_logprobs(per_layer, ids, 48)
@@ -330,20 +333,18 @@ def test_staged_window_computes_the_same_numbers_in_fewer_rows(cache_gib):
     got = _greedy_logprobs(window, ids, 48)
     assert got[0] == want[0] and mx.array_equal(got[1], want[1]).item()
     s = window.stats()
-    assert s["prerouted"] % 5 == 0 and s["prerouted"] >= 5 * 47
-    assert s["staged_drops"] == 0 and s["staged_fallbacks"] == 0
+    assert s["prerouted"] == 5 * (s["steps"] - 1)  # one prompt forward, then all prerouted
     consumers = sorted(rt.prerouting.consumer_of.values())  # buffers 0, 1 last served the 4th and 5th
-    assert [b.layer for b in rt.staged_window] == [consumers[3], consumers[4], consumers[2]]
+    assert [b.layer for b in rt.window] == [consumers[3], consumers[4], consumers[2]]
 
     prompts = [tokenizer.encode(p) for p in PROMPTS]  # a batch: unions larger than K grow the buffers
     batched = [batch_generate(m, tokenizer, prompts, max_tokens=16, return_token_ids=True).token_ids
                for m in (per_layer, window)]  # fmt: skip
     assert [list(t) for t in batched[0]] == [list(t) for t in batched[1]]
-    assert window.stats()["staged_drops"] == 0
 
 
 def test_staged_window_with_fewer_prerouted_layers_is_one_buffer_each(with_heads):
     path = with_heads("qwen3_next")  # 2 prerouted layers
     model = mlx_edge0.load_model(path, staged_window=4)
-    assert len(model.edge0_runtime.staged_window) == 2
+    assert len(model.edge0_runtime.window) == 2
     assert greedy(model, _prompt_ids(path), 20) == greedy(mlx_edge0.load_model(path), _prompt_ids(path), 20)

@@ -19,6 +19,11 @@ Serving is ``gate_positions=1`` whatever the prompt: decoding token by token
 from a fresh cache, and a prompt in chunks of any size, since prompt chunks
 route with the predictions too (see :mod:`mlx_edge0.prerouting`).
 
+A :class:`StudentPath` is the model's expert source for the forwards it runs
+(``runtime.training_forward``): the blocks route themselves with their gates
+and it substitutes the predictions (:meth:`StudentPath.mix`), then computes
+the experts (:meth:`StudentPath.experts`).
+
 Experts are the checkpoint's int4 tensors held resident (tiny models only;
 nothing streams): ``gather_qmm`` on the int4 reconstruction, the same
 products serving computes. Gradients reach every trainable parameter (the
@@ -35,6 +40,8 @@ import mlx.nn as nn
 
 from ..expert_math import ExpertWeights, expert_glu
 from ..prerouter import PrerouterHead, topk_onehot
+from ..prerouting import Plan
+from ..streaming import StreamingMoE
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,10 @@ class StudentPath:
         self.consumer_of = {o: layers[layers.index(o) + 1] for o in self.heads}
         self.owner_of = {c: o for o, c in self.consumer_of.items()}
         self.num_experts = model.edge0_section.experts.num_experts
-        self.experts = experts if experts is not None else resident_experts(model)
+        self.routes = {
+            i: layer.mlp.route for i, layer in enumerate(model.layers) if isinstance(layer.mlp, StreamingMoE)
+        }
+        self.expert_weights = experts if experts is not None else resident_experts(model)
         self.gate_positions: Union[int, mx.array] = 1
         self.seen: dict[int, tuple[mx.array, mx.array]] = {}
         self.trace: Optional[dict[int, LayerTrace]] = None
@@ -111,22 +121,29 @@ class StudentPath:
         start = mx.broadcast_to(mx.array(self.gate_positions), (batch,))
         return (mx.arange(length)[None, :] >= start[:, None])[..., None]
 
-    def routed_experts(self, block, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """One MoE call: (inds, scores, [B, L, K, D]) — the runtime's contract."""
-        # x: [B, L, D]; logits: [B, L, E]; inds, scores: [B, L, K]
-        layer = block.layer
-        gate_logits = block.router_logits(x)
-        inds, scores = block.route(gate_logits)
+    def begin(self, layer: int, x: mx.array) -> Optional[Plan]:
+        """Nothing is planned ahead: every call routes from its gate (:meth:`mix`)."""
+        return None
+
+    def mix(
+        self, layer: int, x: mx.array, logits: mx.array, inds: mx.array, scores: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """A consumer's predicted positions take its owner head's prediction."""
+        # x: [B, L, D]; logits, predicted: [B, L, E]; inds, scores: [B, L, K]
         owner = self.owner_of.get(layer)
         if owner is not None:
             h, onehots = self.seen.pop(owner)
             predicted = self.heads[owner](h, onehots, shift_right(onehots))  # made at t, for t+1
-            p_inds, p_scores = block.route(shift_right(predicted))
+            p_inds, p_scores = self.routes[layer](shift_right(predicted))
             use = self.predicted_positions(x.shape[0], x.shape[1])
             inds, scores = mx.where(use, p_inds, inds), mx.where(use, p_scores, scores)
-        y = expert_glu(x, inds, self.experts[layer])
+        if self.trace is not None:
+            self.trace[layer] = LayerTrace(x, logits, inds)
+        return inds, scores
+
+    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan]) -> mx.array:
+        """``[B, L, K, D]`` from the resident experts; owners keep what their head reads."""
+        y = expert_glu(x, inds, self.expert_weights[layer])
         if layer in self.consumer_of:
             self.seen[layer] = (x, topk_onehot(inds, self.num_experts))
-        if self.trace is not None:
-            self.trace[layer] = LayerTrace(x, gate_logits, inds)
-        return inds, scores, y
+        return y

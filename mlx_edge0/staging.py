@@ -1,11 +1,12 @@
-"""Staged slots: per MoE layer, one fixed buffer holding exactly the experts
+"""Staging buffers: per MoE layer, one fixed buffer holding exactly the experts
 a decode step computes with.
 
-Each layer owns one :class:`SlotBuffers` of ``slots`` rows. A fill is
+A :class:`StagingBuffer` is one :class:`SlotBuffers` of ``capacity`` rows
+(slots). Staging a set of experts into it is a :class:`Fill`. A fill is
 incremental: a slot whose expert is still wanted is kept in place; a changed
 slot is copied from the hot cache or read from disk in place. Before any row
 is rewritten, every computation recorded as reading the buffer is evaluated
-(:meth:`SlotBuffers.settle_readers`), so a fill never changes a step that
+(:meth:`SlotBuffers.rows_for_writing`), so a fill never changes a step that
 already used the rows. That costs no overlap: the prerouter's fill for step
 t+1 starts when step t+1 opens, after a sync that needs step t's heads, i.e.
 nearly all of step t (at most the last layers are still computing, and their
@@ -13,8 +14,8 @@ fills are needed last). One buffer instead of two halves the staged memory
 and removes the copies between buffers. The device-side slot table (expert
 id -> slot) turns routed indices into rows with a ``take``.
 
-A staged window (``Options.staged_window``) is a few of these buffers that
-the prerouted layers take in turn (:meth:`StagedSlots.retarget`), filled
+A window (``Options.staged_window``) is a few of these buffers that
+the prerouted layers take in turn (:meth:`StagingBuffer.retarget`), filled
 while the layers a couple of places before them compute.
 """
 
@@ -62,28 +63,31 @@ def plan_staging(wanted: Sequence[int], contents: np.ndarray) -> StagePlan:
 
 
 @dataclass(frozen=True)
-class StagedSet:
-    """One staged fill: its slot table and the reads in flight."""
+class Fill:
+    """One staging of a set of experts: its slot table and the reads in flight."""
 
     slot_table: mx.array  # [num_experts] int32, expert id -> slot
     reads: ReadBatch
 
 
-class StagedSlots:
-    """The staged buffer of one MoE layer (see the module docstring)."""
+class StagingBuffer:
+    """The staging buffer of one MoE layer (see the module docstring)."""
 
-    def __init__(self, store: ExpertStore, layer: int, slots: int, scales_dtype: Optional[mx.Dtype]):
+    def __init__(self, store: ExpertStore, layer: int, capacity: int, scales_dtype: Optional[mx.Dtype]):
         self.store = store
         self.layer = layer
-        self.slots = slots
-        self.buffers = SlotBuffers(store.geometry, slots, scales_dtype)
-        self.contents = np.full(slots, -1, np.int64)
+        self.rows = SlotBuffers(store.geometry, capacity, scales_dtype)
+        self.contents = np.full(capacity, -1, np.int64)  # expert in each slot, -1: none
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.capacity
 
     @property
     def nbytes(self) -> int:
-        return self.buffers.nbytes
+        return self.rows.nbytes
 
-    def stage(self, ids: Sequence[int], hot: Optional[HotCache] = None, fill_hot: bool = True) -> StagedSet:
+    def stage(self, ids: Sequence[int], hot: Optional[HotCache] = None, fill_hot: bool = True) -> Fill:
         """Fill the buffer with experts ``ids``.
 
         Bundles resident in the hot cache are copied. With ``fill_hot`` the
@@ -95,8 +99,7 @@ class StagedSlots:
         reading the buffer are evaluated first. Returns at once; wait on
         ``reads``.
         """
-        buf, contents = self.buffers, self.contents
-        buf.settle_readers()
+        buf, contents = self.rows, self.contents
         plan = plan_staging(ids, contents)
         stats = self.store.telemetry.current
         stats.staged_kept += len(plan.kept)
@@ -121,21 +124,20 @@ class StagedSlots:
         table = np.zeros(self.store.geometry.num_experts, np.int32)
         for e, s in plan.slot_of.items():
             table[e] = s
-        return StagedSet(mx.array(table), reads)
+        return Fill(mx.array(table), reads)
 
-    def grow(self, slots: int) -> None:
-        """Hold at least ``slots`` experts (a batch's routed union can exceed
-        K). The new buffer starts empty; graphs still reading the old one keep
-        it alive, so nothing in flight is overwritten."""
-        if slots <= self.slots:
+    def grow(self, capacity: int) -> None:
+        """Hold at least ``capacity`` experts (a batch's routed union can exceed
+        K). The new rows start empty; graphs still reading the old ones keep
+        them alive, so nothing in flight is overwritten."""
+        if capacity <= self.capacity:
             return
-        self.slots = slots
-        self.buffers = SlotBuffers(self.store.geometry, slots, self.buffers.scales_dtype)
-        self.contents = np.full(slots, -1, np.int64)
+        self.rows = SlotBuffers(self.store.geometry, capacity, self.rows.scales_dtype)
+        self.contents = np.full(capacity, -1, np.int64)
 
     def retarget(self, layer: int) -> None:
         """Hold ``layer``'s experts from the next fill on (the buffers of a
-        staged window serve each prerouted layer in turn): other layers'
+        window serve each prerouted layer in turn): other layers'
         contents are never kept."""
         if layer != self.layer:
             self.layer = layer
@@ -146,4 +148,4 @@ class StagedSlots:
         self.contents[:] = -1
 
     def weights(self) -> ExpertWeights:
-        return self.buffers.weights()
+        return self.rows.weights()

@@ -1,0 +1,230 @@
+"""The decode machinery without a model: paths, Prerouting and the window
+arithmetic, on a :class:`fakes.FakeStore` and fake route callables and heads.
+
+Every output is compared with :func:`expert_glu` on the reference weights of
+the fake store: identity, not tolerance (the same products on the same rows).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+from fakes import FakeStore
+from mlx_edge0.expert_math import expert_glu
+from mlx_edge0.hot import HotCache
+from mlx_edge0.paths import ExactPath, HotPath, StagedPath, WholeLayerPath
+from mlx_edge0.prefill import WholeLayerLoader
+from mlx_edge0.prerouting import HOST_AHEAD, Prerouting, fills_at_open, refill_at, window_buffer
+from mlx_edge0.routing import softmax_topk
+from mlx_edge0.staging import StagingBuffer
+from mlx_edge0.store import ExpertReadError
+
+K = 2
+LAYERS = [0, 1, 2, 3, 4, 5]
+
+
+def route(logits: mx.array) -> tuple[mx.array, mx.array]:
+    return softmax_topk(logits, K, True)
+
+
+def _x(store, batch, length, seed=0):
+    return mx.random.normal((batch, length, store.geometry.hidden_size), key=mx.random.key(seed))
+
+
+def _inds(store, batch, length, seed=0):
+    logits = mx.random.normal((batch, length, store.geometry.num_experts), key=mx.random.key(100 + seed))
+    return route(logits)[0]
+
+
+def _paths(store, hot_rows=6, staged_rows=K):
+    tel = store.telemetry
+    exact = ExactPath(store, tel, None, None, rows=K)
+    hot = HotCache(store, hot_rows, None)
+    hot_path = HotPath(hot, exact, tel, None)
+    staging = {layer: StagingBuffer(store, layer, staged_rows, None) for layer in LAYERS}
+    staged = StagedPath(staging, hot_path, hot, tel, None)
+    whole = WholeLayerPath(WholeLayerLoader(store, LAYERS, None), None)
+    return exact, hot_path, staged, whole
+
+
+# -------------------------------------------------------------------- paths
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 5)])
+def test_every_path_computes_the_routed_experts(shape):
+    store = FakeStore(LAYERS)
+    store.telemetry.routing_trace = trace = []
+    for path in _paths(store):
+        for layer in (0, 3):
+            x, inds = _x(store, *shape, seed=layer), _inds(store, *shape, seed=layer)
+            path.begin(layer)
+            got = path.experts(layer, x, inds)
+            assert mx.array_equal(got, expert_glu(x, inds, store.weights(layer))).item(), (path.name, shape)
+    assert trace and all(len(ids) <= store.geometry.num_experts for _, ids in trace)
+
+
+def test_hot_path_hits_what_it_read_and_falls_back_to_exact_beyond_the_cache():
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=3)
+    x = _x(store, 1, 1)
+    inds = mx.array([[[1, 5]]], mx.uint32)
+    hot.experts(0, x, inds)
+    hot.experts(0, x, inds)
+    s = store.telemetry.current
+    assert (s.hot_misses, s.hot_hits) == (2, 2)
+    wide = mx.array([[[0, 1]], [[2, 3]]], mx.uint32)  # 4 experts > 3 rows
+    got = hot.experts(1, _x(store, 2, 1), wide)
+    assert mx.array_equal(got, expert_glu(_x(store, 2, 1), wide, store.weights(1))).item()
+    assert store.submitted[-1] == (1, [0, 1, 2, 3], True)  # read by the exact path
+
+
+def test_staged_path_keeps_slots_and_counts_fallbacks():
+    store = FakeStore(LAYERS)
+    _, _, staged, _ = _paths(store, hot_rows=0 + 6)
+    x = _x(store, 1, 1)
+    staged.experts(2, x, mx.array([[[1, 5]]], mx.uint32))
+    staged.experts(2, x, mx.array([[[5, 7]]], mx.uint32))
+    s = store.telemetry.current
+    assert s.staged_kept == 1 and s.staged_fallbacks == 0
+    batch = mx.array([[[0, 1]], [[2, 3]]], mx.uint32)  # a union of 4 > K slots
+    got = staged.experts(2, _x(store, 2, 1), batch)
+    assert s.staged_fallbacks == 1
+    assert mx.array_equal(got, expert_glu(_x(store, 2, 1), batch, store.weights(2))).item()
+
+
+def test_a_failed_fill_raises_and_forgets_the_buffer():
+    store = FakeStore(LAYERS)
+    _, _, staged, _ = _paths(store, hot_rows=1)  # hot too small for K: reads go to the slots
+    store.fail = ExpertReadError("layer_002.safetensors: read failed")
+    with pytest.raises(ExpertReadError):
+        staged.experts(2, _x(store, 1, 1), mx.array([[[1, 5]]], mx.uint32))
+    assert (staged.buffers[2].contents == -1).all()
+    store.fail = None
+    inds = mx.array([[[1, 5]]], mx.uint32)
+    got = staged.experts(2, _x(store, 1, 1), inds)
+    assert mx.array_equal(got, expert_glu(_x(store, 1, 1), inds, store.weights(2))).item()
+
+
+# -------------------------------------------------------- window arithmetic
+
+
+@pytest.mark.parametrize("window", [3, 4, 5])
+@pytest.mark.parametrize("consumers", [1, 2, 3, 5, 8, 13])
+def test_window_fills_each_consumer_once_ahead_of_it_and_after_its_buffer_is_free(window, consumers):
+    started = {rank: -1 for rank in fills_at_open(consumers, window)}  # rank -> host rank it started at
+    for host in range(consumers):
+        assert host in started, "a consumer is reached before its fill started"
+        nxt = refill_at(host, window)
+        if nxt is not None and nxt < consumers:
+            assert nxt not in started
+            started[nxt] = host
+    assert sorted(started) == list(range(consumers))
+    for rank, host in started.items():
+        if rank >= window:  # the buffer's last user was reached HOST_AHEAD consumers before
+            assert window_buffer(rank, window) == window_buffer(rank - window, window)
+            assert host - (rank - window) == HOST_AHEAD
+    assert list(fills_at_open(consumers, 0)) == list(range(consumers)) and refill_at(5, 0) is None
+
+
+# --------------------------------------------------------------- prerouting
+
+
+class FixedHead:
+    """A head predicting fixed logits per position (the fake owner head)."""
+
+    def __init__(self, logits: mx.array):
+        self.logits = logits  # [E]
+
+    def __call__(self, h, onehot_now, onehot_prev):
+        return mx.broadcast_to(self.logits, (*h.shape[:2], self.logits.shape[0]))
+
+
+def _prerouting(store, window=0):
+    consumer_of = {o: o + 1 for o in LAYERS[:-1]}
+    rng = np.random.default_rng(0)
+    heads = {o: FixedHead(mx.array(rng.standard_normal(store.geometry.num_experts).astype(np.float32)))
+             for o in consumer_of}  # fmt: skip
+    buffers = {} if window else {c: StagingBuffer(store, c, K, None) for c in consumer_of.values()}
+    windows = [StagingBuffer(store, -1, K, None) for _ in range(window)]
+    pre = Prerouting(
+        heads, consumer_of, {layer: route for layer in LAYERS}, buffers=buffers, window=windows, hot=None,
+        telemetry=store.telemetry, compute_dtype=None, num_experts=store.geometry.num_experts,
+    )  # fmt: skip
+    return pre, heads
+
+
+def _decode_state(pre, heads, valid):
+    """A state as a prompt leaves it: every owner's prediction, ``valid`` per row."""
+    E = next(iter(heads.values())).logits.shape[0]
+    state = ArraysCache(3 * len(pre.owners))
+    for i, owner in enumerate(pre.owners):
+        B = len(valid)
+        state[3 * i] = mx.zeros((B, E))
+        state[3 * i + 1] = mx.broadcast_to(heads[owner].logits, (B, E))
+        state[3 * i + 2] = mx.array(valid)
+    return state
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_prerouted_step_computes_the_predicted_routing_from_its_fills(window):
+    store = FakeStore(LAYERS)
+    pre, heads = _prerouting(store, window)
+    pre.bind(_decode_state(pre, heads, [True, True]))
+    x = _x(store, 2, 1)
+    pre.begin_forward(1, x)
+    assert pre.order == LAYERS[1:]
+    assert sum(p.fill is not None for p in pre.planned.values()) == (window or 5)
+    assert pre.take(LAYERS[0]) is None
+    for consumer in LAYERS[1:]:
+        plan = pre.take(consumer)
+        want_inds, want_scores = route(mx.broadcast_to(heads[consumer - 1].logits, (2, 1, 8)))
+        assert mx.array_equal(plan.inds, want_inds).item() and mx.array_equal(plan.scores, want_scores).item()
+        got = pre.experts(consumer, x, plan)
+        assert mx.array_equal(got, expert_glu(x, plan.inds, store.weights(consumer))).item()
+        pre.observe(consumer, x, plan.inds)
+    assert store.telemetry.current.prerouted == 5 and not pre.planned
+    if window:
+        assert [b.layer for b in pre.window] == [4, 5, 3]
+
+
+def test_unconsumed_plans_are_dropped_and_their_buffers_forgotten():
+    store = FakeStore(LAYERS)
+    pre, heads = _prerouting(store)
+    pre.bind(_decode_state(pre, heads, [True]))
+    pre.begin_forward(1, _x(store, 1, 1))
+    assert (pre.buffers[3].contents >= 0).all()
+    pre.bind(None)  # the forward raised before layer 3
+    assert not pre.planned and (pre.buffers[3].contents == -1).all()
+
+
+def test_a_mixed_batch_routes_each_row_by_its_own_source():
+    store = FakeStore(LAYERS)
+    pre, heads = _prerouting(store)
+    pre.bind(_decode_state(pre, heads, [True, False]))
+    pre.begin_forward(1, _x(store, 2, 1))
+    assert pre.take(2) is None  # no plan: on demand
+    gate = route(mx.random.normal((2, 1, 8), key=mx.random.key(7)))
+    inds, scores = pre.mix(2, *gate)
+    predicted = route(mx.broadcast_to(heads[1].logits, (2, 1, 8)))
+    assert mx.array_equal(inds[0], predicted[0][0]).item() and mx.array_equal(inds[1], gate[0][1]).item()
+    assert mx.array_equal(scores[1], gate[1][1]).item()
+
+
+def test_a_prompt_chunk_routes_every_position_after_the_first_with_the_prediction():
+    store = FakeStore(LAYERS)
+    pre, heads = _prerouting(store)
+    state = ArraysCache(3 * len(pre.owners))  # a fresh cache: no prediction yet
+    pre.bind(state)
+    x = _x(store, 1, 4)
+    pre.begin_forward(4, x)
+    assert not pre.planned
+    pre.observe(0, x, _inds(store, 1, 4))
+    gate = route(mx.random.normal((1, 4, 8), key=mx.random.key(9)))
+    inds, _ = pre.mix(1, *gate)
+    predicted = route(mx.broadcast_to(heads[0].logits, (1, 4, 8)))[0]
+    assert mx.array_equal(inds[:, 0], gate[0][:, 0]).item()  # the first token: the gate
+    assert mx.array_equal(inds[:, 1:], predicted[:, 1:]).item()
+    assert state[2].tolist() == [True] and mx.array_equal(state[1][0], heads[0].logits).item()
