@@ -4,7 +4,7 @@ next to the offline optimum (Belady's MIN) on the same trace and budget.
 Records a teacher-forced routing trace: the prompt is prefilled, then a fixed
 list of token ids is fed one at a time (no sampling, so the trace depends only
 on the checkpoint and the text), on the exact path with the checkpoint's own
-routers (``prerouter=False``), through ``runtime.routing_trace`` as
+routers (``prerouter=False``), through ``runtime.telemetry.routing_trace`` as
 benchmarks/hot_policy.py does. The ids are the built-in Python text below
 tokenized by the checkpoint's tokenizer, or, for a checkpoint without one
 (``edge0 bench synth``), seeded random ids. Then prints and writes:
@@ -115,7 +115,7 @@ def record_trace(path: Path, tokens: int) -> tuple[RoutingTrace, int]:
     rt = model.edge0_runtime
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array(ids[:PROMPT_TOKENS], mx.int32)[None], cache=cache))
-    rt.routing_trace = calls = []  # decode steps only
+    rt.telemetry.routing_trace = calls = []  # decode steps only
     for token in ids[PROMPT_TOKENS:]:
         mx.eval(model(mx.array([[token]], mx.int32), cache=cache))
     section = rt.section

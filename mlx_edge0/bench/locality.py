@@ -73,7 +73,7 @@ class RoutingTrace:
         cls, calls: Iterable[tuple[int, Sequence[int]]], num_experts: int, k: int, source: str = ""
     ) -> "RoutingTrace":
         """Group a runtime recording (``(layer, ids)`` per MoE call, as
-        ``runtime.routing_trace`` holds it) into tokens: a token ends when the
+        ``runtime.telemetry.routing_trace`` holds it) into tokens: a token ends when the
         layer index stops increasing.
 
         Raises:
