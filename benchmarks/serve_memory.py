@@ -71,7 +71,7 @@ def tiny_checkpoint(root: Path) -> Path:
     import mlx_edge0
     from mlx_edge0 import lora, tiny
     from mlx_edge0.conversions import ConvertOptions, convert
-    from mlx_edge0.prerouter import PrerouterSpec, init_heads, save_heads
+    from mlx_edge0.prerouter_heads import PrerouterSpec, init_heads, save_heads
 
     model, config = tiny.build_tiny_model("qwen3_next", seed=0)
     tiny.save_mlx(model, config, root / "source", tiny.train_tokenizer(root / "tokenizer"), bits=4)

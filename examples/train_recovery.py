@@ -25,7 +25,7 @@ import mlx_edge0
 from mlx_edge0.default_model import DEFAULT_ROOT, EDGE0_DIR, TEACHER_DIR
 from mlx_edge0.evaluate import EvalOptions, evaluate, format_table
 from mlx_edge0.lora import ADAPTER_CONFIG_FILE, ADAPTERS_FILE
-from mlx_edge0.prerouter import PREROUTER_FILE
+from mlx_edge0.prerouter_heads import PREROUTER_FILE
 from mlx_edge0.train.distill import train_distill
 from mlx_edge0.train.heads import train_heads
 from mlx_edge0.train.phases import GenerationOptions, PhaseOptions

@@ -25,7 +25,7 @@ from mlx_lm import generate
 import mlx_edge0
 from mlx_edge0.conversions import ConvertOptions, convert
 from mlx_edge0.default_model import DEFAULT_ROOT, EDGE0_DIR, TEACHER_DIR
-from mlx_edge0.prerouter import PrerouterSpec, init_heads, save_heads
+from mlx_edge0.prerouter_heads import PrerouterSpec, init_heads, save_heads
 from mlx_edge0.train.base import BaseOptions, held_out_perplexity, load_teacher, train_base
 from mlx_edge0.train.data import eval_windows, split_corpus, tokenize_documents
 

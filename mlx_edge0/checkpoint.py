@@ -123,7 +123,7 @@ class Edge0Section:
     num_experts_per_tok: int
     format_version: int = FORMAT_VERSION
     alignment: int = ALIGNMENT
-    prerouter: Optional[dict] = None  # validated by mlx_edge0.prerouter.load_heads
+    prerouter: Optional[dict] = None  # validated by mlx_edge0.prerouter_heads.load_heads
     # Set by convert (see mlx_edge0.integrity): the id every file's header
     # carries, and file (relative path) -> SHA-256 of what was written.
     generation: Optional[str] = None

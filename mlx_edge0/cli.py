@@ -257,7 +257,7 @@ def heads_init(checkpoint: Path, seed: int, k: int) -> None:
     to the current hidden) into CHECKPOINT."""
     from . import load_model
     from .checkpoint import CheckpointError
-    from .prerouter import PrerouterSpec, init_heads, save_heads
+    from .prerouter_heads import PrerouterSpec, init_heads, save_heads
     from .tensorfile import TensorFileError
 
     try:

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from . import lora
-from .prerouter import PrerouterSpec, init_heads
+from .prerouter_heads import PrerouterSpec, init_heads
 from .progress import track
 from .train.base import load_teacher
 from .train.heads import evaluate_heads, head_features

@@ -23,7 +23,7 @@ from .checkpoint import (
 )
 from .integrity import check_generation
 from .lora import has_adapters, read_adapters
-from .prerouter import load_heads
+from .prerouter_heads import load_heads
 from .store import LayerFile
 from .tensorfile import read_header
 from .trust import checkpoint_dir, inspect_code

@@ -53,7 +53,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from .hot import HotCache
 from .options import MIN_STAGED_WINDOW
-from .prerouter import PrerouterHead, topk_onehot
+from .prerouter_heads import PrerouterHead, topk_onehot
 from .staging import Fill, StagingBuffer
 from .telemetry import Telemetry
 

@@ -30,7 +30,7 @@ from .hot import HotCache, hot_capacity
 from .options import Options
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
-from .prerouter import load_heads
+from .prerouter_heads import load_heads
 from .prerouting import Plan, Prerouting, Route
 from .slots import SlotBuffers
 from .staging import StagingBuffer

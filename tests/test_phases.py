@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from mlx_edge0 import lora
 from mlx_edge0.cli import main
-from mlx_edge0.prerouter import PrerouterSpec, init_heads
+from mlx_edge0.prerouter_heads import PrerouterSpec, init_heads
 from mlx_edge0.train.base import load_teacher
 from mlx_edge0.train.distill import distill_loss, distill_terms
 from mlx_edge0.train.heads import HeadSet, head_features, head_losses

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import mlx_edge0
 from mlx_edge0.checkpoint import CheckpointError
 from mlx_edge0.cli import main
-from mlx_edge0.prerouter import PREROUTER_FILE, PrerouterHead, PrerouterSpec, init_heads, save_heads, topk_onehot
+from mlx_edge0.prerouter_heads import PREROUTER_FILE, PrerouterHead, PrerouterSpec, init_heads, save_heads, topk_onehot
 from mlx_edge0.streaming import StreamingMoE
 from mlx_edge0.tensorfile import read_header
 

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 from mlx_lm.utils import load_tokenizer
 
 import mlx_edge0
-from mlx_edge0.prerouter import PrerouterSpec, init_heads, save_heads
+from mlx_edge0.prerouter_heads import PrerouterSpec, init_heads, save_heads
 
 # The split point keeps the tokens of PREFIX + REST those of PREFIX then REST
 # (with the tiny tokenizer and its chat template, as mlx_lm's commands build them).

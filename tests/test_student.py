@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_edge0 import load_model, lora
-from mlx_edge0.prerouter import PrerouterSpec, init_heads, save_heads
+from mlx_edge0.prerouter_heads import PrerouterSpec, init_heads, save_heads
 from mlx_edge0.train.student import StudentPath
 
 from conftest import FAMILIES

@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..prerouter import PREROUTER_FILE, PrerouterHead, PrerouterSpec, init_heads, save_heads, topk_onehot
+from ..prerouter_heads import PREROUTER_FILE, PrerouterHead, PrerouterSpec, init_heads, save_heads, topk_onehot
 from .data import TokenBatches
 from .loop import run_loop
 from .phases import PhaseOptions, corpus_tokens, held_out_windows, last_loss, load_served, write_report

@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..expert_math import ExpertWeights, expert_glu
-from ..prerouter import PrerouterHead, topk_onehot
+from ..prerouter_heads import PrerouterHead, topk_onehot
 from ..prerouting import Plan
 from ..streaming import StreamingMoE
 
