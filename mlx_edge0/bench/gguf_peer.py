@@ -387,3 +387,23 @@ def write_gguf(
         tokenizer=tokenizer,
         seconds=time.perf_counter() - start,
     )
+
+
+def with_gguf_experts(model, gguf_path: Path | str):
+    """``model`` (a stock mlx-lm qwen3_moe) dequantized, with every routed
+    expert replaced by the GGUF's Q4_0 weights: mlx-lm computing what the GGUF
+    holds, to tell the requantization's effect apart from llama.cpp's numerics."""
+    gguf = _gguf()
+    from mlx_lm.utils import dequantize_model
+
+    model = dequantize_model(model)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    for layer in range(len(model.model.layers)):
+        swapped = []
+        for proj, tensor in zip(("gate_proj", "up_proj", "down_proj"), EXPERT_TENSORS):
+            name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, tensor)].format(bid=layer) + ".weight"
+            dense = dequantize_q4_0(np.asarray(tensors[name].data))
+            swapped.append((f"model.layers.{layer}.mlp.switch_mlp.{proj}.weight", mx.array(dense)))
+        model.load_weights(swapped, strict=False)
+    mx.eval(model.parameters())
+    return model
