@@ -183,3 +183,42 @@ def _has_llama_cpp() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_bench_arms_run_on_the_gguf(peer, tmp_path):
+    """The llamacpp arms in a fresh child, as `edge0 bench run` runs them, with
+    the GGUF found beside the stock checkpoint (STOCK.gguf)."""
+    _needs_llama_cpp()
+    from mlx_edge0.bench.measure import forced_tokens, peer_gguf_path
+    from mlx_edge0.bench.runner import BenchOptions, run_child
+
+    src, path, _ = peer
+    assert peer_gguf_path(src) == path
+    options = BenchOptions(out=tmp_path / "r.json", stock=src, arms=("llamacpp", "llamacpp-direct"), caches=("cold",))
+    for arm in options.arms:
+        spec = options.spec(arm, "cold")
+        assert spec.path == path and spec.k == 0
+        record = run_child(spec, timeout_s=300)
+        assert record["ok"], record.get("stderr_tail")
+        assert record["load_mode"] == {"llamacpp": "mmap", "llamacpp-direct": "direct-io"}[arm]
+        assert record["teacher_forced"] and record["logits_finite"]
+        assert record["fed_tokens"] == forced_tokens(tiny_vocab(), 2 + spec.decode_tokens, spec.seed)
+        assert len(record["tokens"]) == 1 + 2 + spec.decode_tokens
+        assert len(record["decode_step_s"]) == spec.decode_tokens
+        for key in ("load_s", "prefill_tok_s", "decode_tok_s", "ttft_s", "peak_rss"):
+            assert record[key] > 0
+
+
+def test_bench_options_need_the_gguf(peer, tmp_path):
+    from mlx_edge0.bench.measure import parse_arm
+    from mlx_edge0.bench.runner import BenchOptions
+
+    src, _, _ = peer
+    with pytest.raises(ValueError, match="edge0 bench gguf STOCK"):
+        BenchOptions(out=tmp_path / "r.json", stock=tmp_path, arms=("llamacpp",))
+    with pytest.raises(ValueError, match="unknown arm"):
+        parse_arm("llamacpp+bypass")
+
+
+def tiny_vocab() -> int:
+    return tiny.tiny_config("qwen3_moe")["vocab_size"]
