@@ -29,6 +29,28 @@ from typing import Sequence
 import numpy as np
 
 LOAD_MODES = ("mmap", "direct-io")
+TOPK_PREFIX = b"ffn_moe_topk-"  # llama.cpp's name for a MoE layer's routed ids ([K, tokens], int32)
+GGML_TYPE_I32 = 26
+
+
+class _GGMLTensor(ctypes.Structure):
+    """The head of ggml's ``struct ggml_tensor`` (ggml.h), as far as ``name``;
+    checked against ``ggml_get_name`` before it is trusted."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
 
 
 class LlamaCppError(RuntimeError):
@@ -47,6 +69,16 @@ def llama_cpp_version() -> str:
     return _llama_cpp().__version__
 
 
+def _ggml_get_name(lc):
+    libs = sorted((Path(lc.__file__).parent / "lib").glob("*ggml-base.*"))
+    if not libs:
+        raise LlamaCppError(f"no ggml-base library under {Path(lc.__file__).parent / 'lib'} to trace routing with")
+    lib = ctypes.CDLL(str(libs[0]))
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    return lib.ggml_get_name
+
+
 class LlamaCppModel:
     """One GGUF model and one context (a single sequence), CPU only.
 
@@ -56,6 +88,9 @@ class LlamaCppModel:
         n_threads: threads for prompt processing and decode.
         n_ctx: KV cache length (prompt + decoded tokens must fit).
         verbose: let llama.cpp's log through to stderr.
+        trace_routing: record each MoE layer's routed expert ids (llama.cpp's
+            ``ffn_moe_topk`` tensors, through its graph-evaluation callback; slow:
+            for comparing routing, not for timing). See :meth:`routing`.
 
     Raises:
         LlamaCppError: the extra is missing, or llama.cpp refused the file.
@@ -69,6 +104,7 @@ class LlamaCppModel:
         n_threads: int = 2,
         n_ctx: int = 512,
         verbose: bool = False,
+        trace_routing: bool = False,
     ):
         if load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {load_mode!r}")
@@ -88,6 +124,12 @@ class LlamaCppModel:
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.no_perf = True
+        self._picks: dict[int, list[np.ndarray]] = {}
+        self._trace_error = ""
+        if trace_routing:
+            self._get_name = _ggml_get_name(lc)
+            self._eval_callback = lc.ggml_backend_sched_eval_callback(self._observe)  # kept alive with self
+            cp.cb_eval = self._eval_callback
         self._ctx = lc.llama_init_from_model(self._model, cp)
         if not self._ctx:
             lc.llama_model_free(self._model)
@@ -112,7 +154,7 @@ class LlamaCppModel:
             batch.n_tokens = n
             status = lc.llama_decode(self._ctx, batch)
             if status != 0:
-                raise LlamaCppError(f"llama_decode returned {status}")
+                raise LlamaCppError(self._trace_error or f"llama_decode returned {status}")
         finally:
             lc.llama_batch_free(batch)
         self.n_past += n
@@ -123,10 +165,32 @@ class LlamaCppModel:
             out[j] = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_vocab,))
         return out
 
+    def _observe(self, tensor: int, ask: bool, _user_data) -> bool:
+        t = _GGMLTensor.from_address(tensor)
+        if not t.name.startswith(TOPK_PREFIX):
+            return not ask  # not wanted; an observed node must not cancel the graph
+        if ask:
+            return True
+        if t.name != self._get_name(tensor) or t.type != GGML_TYPE_I32:
+            self._trace_error = "this llama.cpp's ggml_tensor layout differs from the one the routing trace reads"
+            return False  # cancels the graph; forward() raises the reason
+        k, n = t.ne[0], t.ne[1]
+        rows = [np.frombuffer(ctypes.string_at(t.data + j * t.nb[1], 4 * k), np.int32) for j in range(n)]
+        self._picks.setdefault(int(t.name[len(TOPK_PREFIX) :]), []).append(np.stack(rows))
+        return True
+
+    def routing(self) -> list[np.ndarray]:
+        """Per MoE layer, the routed expert ids of every position computed since
+        the last :meth:`reset`, [tokens, K], sorted per token. Only positions
+        whose logits were asked for reach the last layer's experts (llama.cpp
+        drops the others before it), so trace with ``all_logits=True``."""
+        return [np.sort(np.concatenate(self._picks[i]), axis=-1) for i in sorted(self._picks)]
+
     def reset(self) -> None:
         """Forget the sequence (clear the KV cache)."""
         self._lc.llama_memory_clear(self._lc.llama_get_memory(self._ctx), True)
         self.n_past = 0
+        self._picks = {}
 
     def model_bytes(self) -> int:
         return int(self._lc.llama_model_size(self._model))
