@@ -1,18 +1,18 @@
 """The peer arm's GGUF: the tiny qwen3_moe written by bench/gguf_peer.py, run by llama.cpp.
 
 Tolerances (measured on this fixture, seed 0, 32 teacher-forced tokens, logits
-std 0.57; a bound is about twice the measurement so another CPU's SIMD path or
-llama.cpp release passes, while a wrong tensor layout, a missing norm or a
-transposed projection, which move logits by the size of their spread, fails):
+std 0.57; a bound is two to five times the measurement so another CPU's SIMD
+path or llama.cpp release passes, while a wrong tensor layout, a missing norm or
+a transposed projection, which move logits by the size of their spread, fails):
 
 - mlx-lm on the int4 checkpoint vs mlx-lm with the GGUF's Q4_0 experts:
-  max |d logit| 0.037 (the requantization: no bias, blocks of 32), identical
+  max |d logit| 0.036 (the requantization: no bias, blocks of 32), identical
   routed sets on every layer and token, identical greedy tokens.
-- mlx-lm with the Q4_0 experts vs llama.cpp: max 0.031 (llama.cpp's numerics:
+- mlx-lm with the Q4_0 experts vs llama.cpp: max 0.009 (llama.cpp's numerics:
   F16 resident matrices, activations quantized to Q8_0 for Q4_0 matmuls).
-- mlx-lm int4 vs llama.cpp, end to end: max 0.045, mean 0.0072; greedy next
-  tokens agree on 31 of 32 positions; routed sets (llama.cpp's ffn_moe_topk
-  against mlx-lm's router top-k) identical on 127 of 128 (token, layer) pairs.
+- mlx-lm int4 vs llama.cpp, end to end: max 0.043, mean 0.0062; greedy next
+  tokens agree on 32 of 32 positions; routed sets (llama.cpp's ffn_moe_topk
+  against mlx-lm's router top-k) identical on 128 of 128 (token, layer) pairs.
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ from mlx_edge0.bench.gguf_peer import (  # noqa: E402
 from conftest import load_stock  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(3, 512, 32).tolist()  # teacher-forced, fixed
-MAX_ABS_OVER_STD = 0.15  # measured 0.078 end to end
-MEAN_ABS_OVER_STD = 0.03  # measured 0.0125
-LLAMA_VS_Q4_0_MAX_OVER_STD = 0.12  # measured 0.054
-GREEDY_AGREEMENT = 0.9  # measured 31/32
-ROUTING_AGREEMENT = (
-    0.9  # routed sets identical, (token, layer) pairs: measured 127/128 (one token differs on the last layer)
-)
+MAX_ABS_OVER_STD = 0.15  # measured 0.075 end to end
+MEAN_ABS_OVER_STD = 0.03  # measured 0.011
+LLAMA_VS_Q4_0_MAX_OVER_STD = 0.05  # measured 0.016
+GREEDY_AGREEMENT = 0.9  # measured 32/32
+ROUTING_AGREEMENT = 0.9  # routed sets identical, (token, layer) pairs: measured 128/128
 
 
 def _needs_llama_cpp():
@@ -166,7 +164,7 @@ def test_llama_cpp_load_modes_and_step_decode_agree(peer):
         steps = np.concatenate([m.forward([t]) for t in TOKENS])
         m.reset()
         again = m.forward(TOKENS[:4], all_logits=True)
-    assert np.abs(steps - batched).max() < 0.01  # measured 0.0013 (different matmul batching)
+    assert np.abs(steps - batched).max() < 0.01  # measured 0.0041 (different matmul batching)
     assert np.array_equal(again, batched[:4])
 
 

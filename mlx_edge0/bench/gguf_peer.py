@@ -166,20 +166,38 @@ class _Weights:
             return tuple(w.shape)
         return (*w.shape[:-1], scales.shape[-1] * _quant_params(self.config, module)[1])
 
-    def dense(self, module: str, rows: Optional[slice] = None) -> np.ndarray:
-        """The weight as float32 numpy (dequantized if quantized); ``rows`` slices axis 0."""
+    def materialize(self, module: str) -> None:
+        """Read ``module``'s tensors once, so that slicing them does not read them again."""
+        parts = [k for k in (f"{module}.{p}" for p in ("weight", "scales", "biases")) if k in self.arrays]
+        mx.eval([self.arrays[k] for k in parts])
+
+    def dense(self, module: str, rows: Optional[slice] = None, dtype: mx.Dtype = mx.float32) -> np.ndarray:
+        """The weight as numpy ``dtype`` (dequantized in float32 if quantized, as
+        mlx-lm computes at float32); ``rows`` slices axis 0."""
         pick = (lambda a: a[rows]) if rows is not None else (lambda a: a)
         w = pick(self.arrays[f"{module}.weight"])
         if f"{module}.scales" in self.arrays:
             bits, group, mode = _quant_params(self.config, module)
             if mode != "affine":
                 raise GGUFConversionError(f"{self.root}: {module} uses quantization mode {mode!r}; only affine")
-            scales = pick(self.arrays[f"{module}.scales"])
-            biases = pick(self.arrays[f"{module}.biases"])
-            w = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
-        w = w.astype(mx.float32)
+            scales = pick(self.arrays[f"{module}.scales"]).astype(mx.float32)
+            biases = pick(self.arrays[f"{module}.biases"]).astype(mx.float32)
+            w = dequantize_affine(w, scales, biases, bits=bits, group_size=group)
+        w = w.astype(dtype)
         mx.eval(w)
         return np.asarray(w)
+
+
+def dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, *, bits: int, group_size: int) -> mx.array:
+    """mlx affine dequantization ``scale * q + bias`` in the scales' dtype; unpacks
+    the uint32 words directly where ``bits`` divides 32 (several times faster than
+    ``mx.dequantize`` on the CPU), else defers to it."""
+    if 32 % bits:
+        return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    q = (w[..., None] >> shifts) & ((1 << bits) - 1)  # [..., words, 32 / bits]
+    q = q.reshape(*w.shape[:-1], scales.shape[-1], group_size).astype(scales.dtype)
+    return (q * scales[..., None] + biases[..., None]).reshape(*w.shape[:-1], -1)
 
 
 def _plan(weights: _Weights, config: dict, resident_type: str) -> list[_Planned]:
@@ -232,9 +250,9 @@ class _ErrorMeter:
         self.diff_sq = self.ref_sq = self.max_abs = 0.0
 
     def add(self, ref: np.ndarray, blocks: np.ndarray) -> None:
-        diff = dequantize_q4_0(blocks) - ref
-        self.diff_sq += float(np.square(diff, dtype=np.float64).sum())
-        self.ref_sq += float(np.square(ref, dtype=np.float64).sum())
+        diff = (dequantize_q4_0(blocks) - ref).ravel()
+        self.diff_sq += float(np.vdot(diff, diff))
+        self.ref_sq += float(np.vdot(ref.ravel(), ref.ravel()))
         self.max_abs = max(self.max_abs, float(np.abs(diff).max()))
 
     @property
@@ -244,8 +262,9 @@ class _ErrorMeter:
 
 def _tensor_data(weights: _Weights, t: _Planned, meter: _ErrorMeter) -> np.ndarray:
     if t.kind != "q4_0":
-        return weights.dense(t.source).astype(np.float16 if t.kind == "f16" else np.float32)
+        return weights.dense(t.source, dtype=mx.float16 if t.kind == "f16" else mx.float32)
     out = np.empty(t.byte_shape, np.uint8)
+    weights.materialize(t.source)
     for e in range(0, t.shape[0], EXPERT_CHUNK):
         rows = slice(e, min(e + EXPERT_CHUNK, t.shape[0]))
         dense = weights.dense(t.source, rows)
