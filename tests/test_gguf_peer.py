@@ -241,3 +241,13 @@ def test_llama_cpp_routes_like_mlx_lm(peer):
     same = [np.all(a == b, axis=-1).mean() for a, b in zip(llama, mlx)]
     assert same[0] == 1.0  # the first router sees only embedding + attention
     assert np.mean(same) >= ROUTING_AGREEMENT, same
+
+
+@pytest.mark.parametrize("bits", [4, 8, 3])
+def test_dequantize_affine_equals_mlx(bits):
+    from mlx_edge0.bench.gguf_peer import dequantize_affine
+
+    x = mx.random.normal((6, 256), key=mx.random.key(bits))
+    w, scales, biases = mx.quantize(x, group_size=64, bits=bits)
+    ref = mx.dequantize(w, scales, biases, group_size=64, bits=bits)
+    assert mx.array_equal(dequantize_affine(w, scales, biases, bits=bits, group_size=64), ref)
