@@ -251,3 +251,22 @@ def test_dequantize_affine_equals_mlx(bits):
     w, scales, biases = mx.quantize(x, group_size=64, bits=bits)
     ref = mx.dequantize(w, scales, biases, group_size=64, bits=bits)
     assert mx.array_equal(dequantize_affine(w, scales, biases, bits=bits, group_size=64), ref)
+
+
+def test_stock_llama_class_loads_and_tokenizes_like_tokenizers(peer, tokenizer_dir):
+    """What a user would run: llama_cpp.Llama on the GGUF (its default load,
+    which repacks Q4_0) computes the same logits within the Q8_0-activation
+    noise, and its tokenizer (the gpt2 vocabulary and merges written from
+    tokenizer.json) splits text as the checkpoint's tokenizer does."""
+    llama_cpp = _needs_llama_cpp()
+    from tokenizers import Tokenizer
+
+    src, path, _ = peer
+    llm = llama_cpp.Llama(model_path=str(path), use_mmap=True, n_threads=2, logits_all=True, n_ctx=64, verbose=False)
+    llm.eval(TOKENS)
+    scores = np.array(llm.scores[: len(TOKENS)])
+    ours = _llama_logits(path)
+    assert np.abs(scores - ours).max() / ours.std() < LLAMA_VS_Q4_0_MAX_OVER_STD  # measured 0.0066 / 0.57
+    reference = Tokenizer.from_file(str(src / "tokenizer.json"))
+    for text in ("def f(x):\n    return x  # done", "import os, sys\n\nclass A(object):\n\tpass"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == reference.encode(text).ids
