@@ -11,7 +11,7 @@ import click
 
 from ..checkpoint import human_bytes
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
-from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm
+from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path
 from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
@@ -94,6 +94,33 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
     )
 
 
+@bench.command("gguf")
+@click.argument("stock", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--resident-type",
+    type=click.Choice(("f16", "f32")),
+    default="f16",
+    show_default=True,
+    help="Type of the dequantized attention, embedding and LM-head matrices (router and norms are F32).",
+)
+def gguf(stock: Path, out: Optional[Path], resident_type: str):
+    """Write the stock qwen3_moe checkpoint STOCK as a GGUF for the llama.cpp arms
+    (experts requantized to Q4_0) [default OUT: STOCK.gguf beside STOCK]. Needs the peers extra."""
+    from .gguf_peer import GGUFConversionError, write_gguf
+
+    out = out or peer_gguf_path(stock)
+    try:
+        report = write_gguf(stock, out, resident_type=resident_type, progress=click.echo)
+    except GGUFConversionError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(
+        f"Wrote {out}: {report.file_bytes / 1e9:.2f} GB ({report.expert_bytes / 1e9:.2f} GB Q4_0 experts), "
+        f"{report.tensors} tensors, {report.seconds:.1f} s; Q4_0 requantization error of the experts: "
+        f"{report.expert_rel_error:.2%} relative, {report.expert_max_abs_error:.3g} max abs"
+    )
+
+
 @bench.command("run")
 @click.option(
     "--stock",
@@ -104,6 +131,11 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
     "--edge0",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="The same model converted by `edge0 convert`.",
+)
+@click.option(
+    "--gguf",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The same model as a GGUF, for the llama.cpp arms [default: STOCK.gguf from `edge0 bench gguf`].",
 )
 @click.option(
     "--out",

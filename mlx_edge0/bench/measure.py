@@ -28,7 +28,9 @@ from typing import Optional
 
 ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter")  # the suite's default
 STAGED_WINDOW = 4  # the window arm's buffers: reads about two prerouted layers ahead
-KNOWN_ARMS = ARMS + ("edge0-prerouter-window",)
+# llama.cpp on the same model as a GGUF (bench/gguf_peer.py, bench/llamacpp.py), by load mode.
+PEER_ARMS = {"llamacpp": "mmap", "llamacpp-direct": "direct-io"}
+KNOWN_ARMS = ARMS + ("edge0-prerouter-window",) + tuple(PEER_ARMS)
 BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter", "edge0-prerouter-window")
 # Load options per edge0 arm. Staged uses the routing of the current step;
 # the window arm is the prerouter with STAGED_WINDOW shared staged buffers;
@@ -72,7 +74,7 @@ def parse_arm(arm: str) -> tuple[str, dict]:
     if (
         base not in KNOWN_ARMS
         or (budget and base not in BUDGET_ARMS)
-        or (page_cache and (base == "stock" or page_cache not in PAGE_CACHE_POLICIES))
+        or (page_cache and (base == "stock" or base in PEER_ARMS or page_cache not in PAGE_CACHE_POLICIES))
     ):
         raise ValueError(
             f"unknown arm {arm!r}: use {', '.join(KNOWN_ARMS)} (edge0 arms may add "
@@ -89,7 +91,27 @@ def parse_arm(arm: str) -> tuple[str, dict]:
     return base, options
 
 
+def is_peer_arm(arm: str) -> bool:
+    return arm_base(arm) in PEER_ARMS
+
+
+def peer_gguf_path(stock: Path) -> Path:
+    """Where ``edge0 bench gguf STOCK`` writes the peer's GGUF: ``STOCK.gguf``, beside STOCK."""
+    stock = Path(stock)
+    return stock.parent / f"{stock.name}.gguf"
+
+
+def forced_tokens(vocab: int, count: int, seed: int) -> list[int]:
+    """The fixed token sequence a teacher-forced decode feeds, one per step
+    (the prompt is drawn from ``seed``, this from the next seed but one)."""
+    import numpy as np
+
+    return np.random.default_rng(seed + 2).integers(0, vocab, count).tolist()
+
+
 def checkpoint_files(root: Path) -> list[Path]:
+    if Path(root).is_file():  # a GGUF
+        return [Path(root)]
     return sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
 
 
@@ -214,6 +236,8 @@ def _profile_top(profile: cProfile.Profile, tokens: int) -> list[dict]:
 
 def measure(spec: RunSpec) -> dict:
     """Load, cold request, warm-up, timed decode, optional warm request."""
+    if is_peer_arm(spec.arm):
+        return measure_llamacpp(spec)
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
@@ -315,6 +339,75 @@ def measure(spec: RunSpec) -> dict:
     peaks = ("load_peak_memory", "prefill_peak_memory", "decode_peak_memory", "warm_prefill_peak_memory")
     record["generate_peak_memory"] = max(record.get(k, 0) for k in peaks[1:])
     record["peak_memory"] = max(record.get(k, 0) for k in peaks)
+    record["peak_rss"] = _peak_rss_bytes()
+    record["tokens"] = tokens
+    return record
+
+
+def measure_llamacpp(spec: RunSpec) -> dict:
+    """The peer arm: llama.cpp on the GGUF at ``spec.path``, the same prompt as
+    the other arms, then a teacher-forced decode of :func:`forced_tokens`
+    (``tokens`` are llama.cpp's greedy picks at each position, not what it was
+    fed; not compared with the other arms' greedy tokens). There is no MLX
+    memory: ``peak_rss`` counts llama.cpp's buffers and the mmap'd weights it touched."""
+    import numpy as np
+
+    from mlx_edge0.options import available_memory
+
+    from .llamacpp import LlamaCppModel, llama_cpp_version
+
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    record = {
+        "arm": spec.arm,
+        "ok": True,
+        "available_memory_at_start": available_memory(),
+        "loadavg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "llama_cpp_python": llama_cpp_version(),
+        "n_threads": threads,
+        "load_mode": PEER_ARMS[spec.arm],
+        "teacher_forced": True,
+    }
+    n_ctx = 2 * spec.prompt_tokens + WARMUP_STEPS + spec.decode_tokens
+    start = time.perf_counter()
+    model = LlamaCppModel(spec.path, load_mode=PEER_ARMS[spec.arm], n_threads=threads, n_ctx=n_ctx)
+    record["load_s"] = time.perf_counter() - start
+    record["model_bytes"] = model.model_bytes()
+    vocab = model.n_vocab
+
+    def request(seed: int) -> tuple[float, np.ndarray]:
+        prompt = np.random.default_rng(seed).integers(0, vocab, spec.prompt_tokens).tolist()
+        model.reset()
+        t0 = time.perf_counter()
+        logits = model.forward(prompt)
+        return time.perf_counter() - t0, logits
+
+    prefill_s, logits = request(spec.seed)
+    record.update(
+        prefill_s=prefill_s, prefill_tok_s=spec.prompt_tokens / prefill_s, ttft_s=prefill_s,
+        ttft_with_load_s=record["load_s"] + prefill_s, logits_finite=bool(np.isfinite(logits).all()),
+    )  # fmt: skip
+    tokens = [int(logits.argmax())]
+    fed = forced_tokens(vocab, WARMUP_STEPS + spec.decode_tokens, spec.seed)
+    for token in fed[:WARMUP_STEPS]:
+        tokens.append(int(model.forward([token]).argmax()))
+    evict = checkpoint_files(spec.path) if spec.evict_between_steps else []
+    steps = []
+    for token in fed[WARMUP_STEPS:]:
+        if evict:
+            drop_page_cache(evict)
+        t0 = time.perf_counter()
+        tokens.append(int(model.forward([token]).argmax()))
+        steps.append(time.perf_counter() - t0)
+    decode_s = sum(steps)
+    record.update(
+        decode_s=decode_s, decode_tok_s=spec.decode_tokens / decode_s,
+        decode_s_per_token=decode_s / spec.decode_tokens, decode_step_s=steps,
+        evicted_between_steps=bool(evict), profiled=False, fed_tokens=fed,
+    )  # fmt: skip
+    if spec.warm_prefill:
+        warm_s, _ = request(spec.seed + 1)
+        record.update(warm_prefill_s=warm_s, warm_prefill_tok_s=spec.prompt_tokens / warm_s, warm_ttft_s=warm_s)
+    model.close()
     record["peak_rss"] = _peak_rss_bytes()
     record["tokens"] = tokens
     return record

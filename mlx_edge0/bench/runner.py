@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..atomic import write_json_atomic
 from ..options import GIB, available_memory
 from ..progress import bar, note
-from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, parse_arm
+from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, is_peer_arm, parse_arm, peer_gguf_path
 from .regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
 CACHES = ("cold", "warm", "pressure")
@@ -53,6 +53,8 @@ class BenchOptions:
         out: results JSON, rewritten after every run so partial results survive.
         stock: stock mlx-lm checkpoint (``edge0 bench synth`` output).
         edge0: the same model converted by ``edge0 convert``.
+        gguf: the same model as a GGUF for the llama.cpp arms (default: the
+            file ``edge0 bench gguf`` writes beside ``stock``).
         k: K on the prerouted layers of edge0 arms (0 = the heads' K); stock stays native.
         warm_prefill: time a second request in each process (warm prefill).
         profile: cProfile the decode steps (for where the time goes, not for speed).
@@ -69,6 +71,7 @@ class BenchOptions:
     out: Path
     stock: Optional[Path] = None
     edge0: Optional[Path] = None
+    gguf: Optional[Path] = None
     arms: tuple[str, ...] = ("stock", "edge0-exact")
     caches: tuple[str, ...] = ("cold", "warm")
     rounds: int = 3
@@ -98,10 +101,16 @@ class BenchOptions:
             raise ValueError("rounds, prompt tokens and decode tokens must be at least 1")
         for arm in self.arms:
             path = self.arm_path(arm)
-            if path is None:
+            if is_peer_arm(arm):
+                if path is None or not Path(path).is_file():
+                    raise ValueError(
+                        f"arm {arm!r} needs a GGUF: --gguf FILE, or `edge0 bench gguf STOCK` to write "
+                        f"{path or 'STOCK.gguf'}"
+                    )
+            elif path is None:
                 flag = "--stock" if arm == "stock" else "--edge0"
                 raise ValueError(f"arm {arm!r} needs {flag} DIR")
-            if not (Path(path) / "config.json").is_file():
+            if not is_peer_arm(arm) and not (Path(path) / "config.json").is_file():
                 raise ValueError(f"{path}: no config.json; is this a checkpoint directory?")
             unavailable = regime_unavailable(self.regime, Path(path))
             if unavailable:
@@ -113,12 +122,14 @@ class BenchOptions:
             )
 
     def arm_path(self, arm: str) -> Optional[Path]:
+        if is_peer_arm(arm):
+            return self.gguf or (peer_gguf_path(self.stock) if self.stock else None)
         return self.stock if parse_arm(arm)[0] == "stock" else self.edge0
 
     def spec(self, arm: str, cache: str) -> RunSpec:
         return RunSpec(
             arm, self.arm_path(arm), self.prompt_tokens, self.decode_tokens, self.dtype, self.seed,
-            k=0 if arm == "stock" else self.k, warm_prefill=self.warm_prefill,
+            k=0 if arm == "stock" or is_peer_arm(arm) else self.k, warm_prefill=self.warm_prefill,
             evict_between_steps=cache == "pressure", profile=self.profile,
         )  # fmt: skip
 
@@ -147,6 +158,8 @@ def memory_needed(spec: RunSpec) -> int:
     resident file, one cast copy's growth and its hot budget."""
     files = checkpoint_files(spec.path)
     base, options = parse_arm(spec.arm)
+    if is_peer_arm(base):  # mmap'd or read whole: about the file
+        return sum(p.stat().st_size for p in files)
     if base == "stock":
         stored = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
         return int(stored * (STOCK_FP32_GROWTH if spec.dtype == "float32" else 1.0))
@@ -297,7 +310,7 @@ def summarize(runs: list[dict]) -> dict:
         same = []
         for (_, c), s in slots.items():
             reference = s.get("stock") or s.get("edge0-exact")
-            if c == cache and arm in s and reference is not None and reference is not s[arm]:
+            if c == cache and arm in s and reference is not None and reference is not s[arm] and not is_peer_arm(arm):
                 same.append(s[arm]["tokens"] == reference["tokens"])
         if same:
             entry["tokens_equal_reference"] = {"same": sum(same), "rounds": len(same)}
@@ -454,8 +467,8 @@ def one_line(r: dict) -> str:
     if not r["ok"]:
         return f"FAILED: {r['error']}\n{r.get('stderr_tail', '')}"
     wait = r.get("counters_per_token", {}).get("exposed_wait_ms")
+    peak = f"peak {r['peak_memory'] / GIB:.2f} GiB" if "peak_memory" in r else f"peak RSS {r['peak_rss'] / GIB:.2f} GiB"
     return (
         f"load {r['load_s']:.2f} s, prefill {r['prefill_tok_s']:.2f} tok/s, "
-        f"decode {r['decode_tok_s']:.3f} tok/s, peak {r['peak_memory'] / GIB:.2f} GiB"
-        + (f", wait {wait:.1f} ms/step" if wait is not None else "")
+        f"decode {r['decode_tok_s']:.3f} tok/s, {peak}" + (f", wait {wait:.1f} ms/step" if wait is not None else "")
     )
