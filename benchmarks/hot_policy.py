@@ -2,7 +2,8 @@
 
 Decodes greedy tokens on the exact path while recording every MoE layer's
 routed set, then replays the trace through both hot-cache policies at several
-budgets with the same planner the cache uses (``mlx_edge0.hot.plan_fill``).
+budgets with the same planner the cache uses (``mlx_edge0.hot.plan_fill``, through
+``mlx_edge0.bench.eviction.simulate``).
 
     python benchmarks/hot_policy.py CKPT [--tokens 64] [--budgets 0.25,0.5,1,2] [--out FILE]
 """
@@ -19,11 +20,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
 from mlx_edge0.checkpoint import read_config, text_config
-from mlx_edge0.hot import POLICIES, plan_fill
+from mlx_edge0.bench.eviction import simulate
+from mlx_edge0.bench.locality import RoutingTrace
 from mlx_edge0.slots import SlotBuffers
 
 
-def record_trace(path: Path, tokens: int, prompt_tokens: int) -> tuple[list, int, int]:
+def record_trace(path: Path, tokens: int, prompt_tokens: int) -> tuple[RoutingTrace, int, int]:
     model = mlx_edge0.load_model(path, cache_gib=0, staged=False, prefill="exact")
     rt = model.edge0_runtime
     vocab = text_config(read_config(path))["vocab_size"]
@@ -35,26 +37,12 @@ def record_trace(path: Path, tokens: int, prompt_tokens: int) -> tuple[list, int
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(y)
     row = SlotBuffers.row_nbytes(rt.section.experts, mx.float32)
-    return trace, row, rt.section.num_experts_per_tok
+    k = rt.section.num_experts_per_tok
+    return RoutingTrace.from_calls(trace, rt.section.experts.num_experts, k, str(path)), row, k
 
 
-def hit_rate(trace, capacity: int, policy_name: str) -> float:
-    policy = POLICIES[policy_name](capacity)
-    resident: dict = {}
-    free = list(range(capacity))
-    hits = total = 0
-    for layer, ids in trace:
-        keys = [(layer, e) for e in ids]
-        placed, evicted = plan_fill(keys, resident, free, policy)
-        for k in evicted:
-            del resident[k]
-            policy.forget(k)
-        free = free[len(placed) - len(evicted) :]
-        resident.update(placed)
-        policy.touch(keys)
-        hits += len(keys) - len(placed)
-        total += len(keys)
-    return hits / total
+def hit_rate(trace: RoutingTrace, capacity: int, policy_name: str) -> float:
+    return simulate(trace, capacity, policy_name).hit_rate
 
 
 def main() -> None:
@@ -83,7 +71,12 @@ def main() -> None:
     if a.out:
         a.out.write_text(
             json.dumps(
-                {"checkpoint": str(a.checkpoint), "tokens": a.tokens, "trace_steps": len(trace), "results": rows},
+                {
+                    "checkpoint": str(a.checkpoint),
+                    "tokens": a.tokens,
+                    "trace_tokens": len(trace.tokens),
+                    "results": rows,
+                },
                 indent=2,
             )
             + "\n"
