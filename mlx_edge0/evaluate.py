@@ -30,6 +30,7 @@ from mlx.utils import tree_unflatten
 from . import lora
 from .prerouter_heads import PrerouterSpec, init_heads
 from .progress import track
+from .streaming import dense_weight
 from .train.base import load_teacher
 from .train.heads import evaluate_heads, head_features
 from .train.phases import corpus_tokens, load_served, mean_nll
@@ -69,10 +70,10 @@ def merge_survival(model: nn.Module, forward, windows: mx.array, batch_size: int
     sums: dict[str, list[float]] = {}
     merged = {}
     for path, m in modules.items():
-        base = _dense(m.linear)
+        base = dense_weight(m.linear)
         fused = m.fuse(dequantize=False)  # merged into the weights, requantized like the base
         unmerged = base + (m.scale * m.lora_b.T @ m.lora_a.T).astype(base.dtype)
-        gone, delta = mx.square(unmerged - _dense(fused)).sum(), mx.square(unmerged - base).sum()
+        gone, delta = mx.square(unmerged - dense_weight(fused)).sum(), mx.square(unmerged - base).sum()
         acc = sums.setdefault(kinds[path], [0.0, 0.0])
         acc[0] += gone.item()
         acc[1] += delta.item()
@@ -87,19 +88,6 @@ def merge_survival(model: nn.Module, forward, windows: mx.array, batch_size: int
     gone = mx.sqrt(mx.square(unmerged_logits - merged_logits).sum()).item()
     delta = mx.sqrt(mx.square(unmerged_logits - base_logits).sum()).item()
     return {"weights": weights, "logits": 1 - gone / delta if delta > 0 else None}
-
-
-def _dense(linear: nn.Module) -> mx.array:
-    if isinstance(linear, nn.QuantizedLinear):
-        return mx.dequantize(
-            linear.weight,
-            linear.scales,
-            linear.biases,
-            group_size=linear.group_size,
-            bits=linear.bits,
-            mode=linear.mode,
-        ).astype(mx.float32)
-    return linear.weight.astype(mx.float32)
 
 
 def _logits(forward, windows: mx.array, batch_size: int) -> mx.array:

@@ -47,7 +47,7 @@ class ExpertSource(Protocol):
 
 
 def dense_weight(linear: nn.Module) -> mx.array:
-    """float32 weight of a Linear or (8-bit) QuantizedLinear router."""
+    """float32 weight of a Linear or QuantizedLinear (a router, or a LoRA base)."""
     if isinstance(linear, nn.QuantizedLinear):
         return mx.dequantize(
             linear.weight,
@@ -55,6 +55,7 @@ def dense_weight(linear: nn.Module) -> mx.array:
             linear.biases,
             group_size=linear.group_size,
             bits=linear.bits,
+            mode=linear.mode,
         ).astype(mx.float32)
     return linear.weight.astype(mx.float32)
 

@@ -323,3 +323,22 @@ def test_prerouted_arms_pair_with_the_on_demand_arm_of_their_page_cache_policy()
         ("edge0-hot@0.5", "edge0-prerouter@0.5")
     ]
     assert _prerouted_pairs(summary, "0", "warm") == []  # no on-demand arm ran warm
+
+
+def test_agreement_names_exact_as_reference_when_stock_was_oom_killed():
+    summary = {
+        "arms": {
+            "stock/cold": {"arm": "stock", "cache": "cold", "ok": 0, "runs": 3, "oom": 3},
+            "edge0-exact/cold": {"arm": "edge0-exact", "cache": "cold", "ok": 3, "runs": 3},
+            "edge0-hot/cold": {
+                "arm": "edge0-hot",
+                "cache": "cold",
+                "ok": 3,
+                "runs": 3,
+                "tokens_equal_reference": {"same": 3, "rounds": 3},
+            },
+        }
+    }
+    assert agreement_note(summary).startswith("Greedy tokens equal edge0-exact's in every round: edge0-hot")
+    summary["arms"]["stock/cold"]["ok"] = 3
+    assert agreement_note(summary).startswith("Greedy tokens equal stock's")

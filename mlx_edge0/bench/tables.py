@@ -169,7 +169,9 @@ def agreement_note(summary: dict) -> str:
             )
     if not same and not differ:
         return ""
-    reference = "stock's" if any(e["arm"] == "stock" for e in summary["arms"].values()) else "edge0-exact's"
+    # the reference is stock where it ran (a run the OOM killer ended is no reference)
+    stock_ran = any(e["arm"] == "stock" and e["ok"] for e in summary["arms"].values())
+    reference = "stock's" if stock_ran else "edge0-exact's"
     parts = []
     if same:
         parts.append(f"Greedy tokens equal {reference} in every round: {', '.join(same)}.")
