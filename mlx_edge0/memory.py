@@ -41,23 +41,33 @@ def cgroup_headroom(root: Path = ROOT) -> Optional[int]:
             ``sys/fs/cgroup`` (a fake tree in tests).
     """
     try:
-        lines = (root / "proc/self/cgroup").read_text().splitlines()
+        v1, unified = cgroup_groups((root / "proc/self/cgroup").read_text())
     except OSError:
         return None
     headrooms = []
-    for line in lines:
+    if "memory" in v1:
+        headrooms += _headrooms(root / "sys/fs/cgroup" / V1[0], v1["memory"], V1)
+    if unified is not None:
+        headrooms += _headrooms(root / "sys/fs/cgroup" / V2[0], unified, V2)
+    return min(headrooms) if headrooms else None
+
+
+def cgroup_groups(proc_self_cgroup: str) -> tuple[dict[str, str], Optional[str]]:
+    """The groups of ``/proc/self/cgroup``'s text: v1 controller -> group, and
+    the v2 (unified) group or None. Lines that are not ``id:controllers:group``
+    are skipped."""
+    v1: dict[str, str] = {}
+    unified = None
+    for line in proc_self_cgroup.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         hierarchy, controllers, group = parts
         if hierarchy == "0" and controllers == "":
-            layout = V2
-        elif "memory" in controllers.split(","):
-            layout = V1
-        else:
-            continue
-        headrooms += _headrooms(root / "sys/fs/cgroup" / layout[0], group, layout)
-    return min(headrooms) if headrooms else None
+            unified = group
+        for controller in filter(None, controllers.split(",")):
+            v1[controller] = group
+    return v1, unified
 
 
 def _headrooms(mount: Path, group: str, layout: tuple[str, str, str, str]) -> list[int]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..memory import cgroup_groups
+
 GIB = 1 << 30
 MB = 1000 * 1000
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -127,14 +129,7 @@ def own_cgroups(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT) 
     Raises:
         CgroupError: no memory controller to be found.
     """
-    v1: dict[str, str] = {}
-    unified = None
-    for line in proc_cgroup.read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            unified = path
-        for controller in controllers.split(","):
-            v1[controller] = path
+    v1, unified = cgroup_groups(proc_cgroup.read_text())
     if "memory" in v1 and (root / "memory").is_dir():
         blkio = v1.get("blkio", "/")
         return CgroupLayout(1, root / "memory" / v1["memory"].lstrip("/"), root / "blkio" / blkio.lstrip("/"))
