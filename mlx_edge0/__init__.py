@@ -20,23 +20,31 @@ __version__ = "0.1.0"
 __all__ = ["load", "load_model", "Options", "__version__"]
 
 
-def _load_checked(path: str | Path, options: dict[str, Any], tokenizer: bool) -> tuple[Any, Any]:
+def _load_checked(path: str | Path, options: dict[str, Any], tokenizer: bool, group: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer or None) after the trust check and the edge0 section
     and resident header checks (MLX's own error for a truncated file names no
-    file), all of it from one conversion."""
+    file), all of it from one conversion. With a ``group`` of several ranks,
+    this process's share of the model (:mod:`mlx_edge0.parallel`), once every
+    rank has been found to load the same checkpoint."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
     from mlx_lm.utils import load_tokenizer
 
     from .checkpoint import RESIDENT_FILE, Edge0Section, read_config
     from .integrity import check_generation, load_consistently
+    from .parallel import PARALLEL_KEY, Parallel, check_same_checkpoint
     from .plugin import model_classes
     from .tensorfile import read_header
     from .trust import check_code
 
     directory = check_code(path)
+    options = Options(**options)
     # ``model_file: None`` keeps mlx-lm from importing the checkpoint's shim;
     # the classes come from this package, bound to the checked directory.
-    model_config = {"model_file": None, RUNTIME_KEY: Options(**options).to_dict()}
+    model_config = {"model_file": None, RUNTIME_KEY: options.to_dict()}
+    if group is not None and group.size() > 1:
+        section = Edge0Section.from_config(read_config(directory), directory / "config.json")
+        check_same_checkpoint(group, directory, section)
+        model_config[PARALLEL_KEY] = Parallel(group, options.parallel)
 
     def attempt() -> tuple[Any, Any]:
         check_code(directory)
@@ -53,14 +61,17 @@ def _load_checked(path: str | Path, options: dict[str, Any], tokenizer: bool) ->
     return load_consistently(directory, attempt)  # one conversion, even under `convert --force`
 
 
-def load(path: str | Path, **options: Any):
+def load(path: str | Path, group: Any = None, **options: Any):
     """Load an edge0 checkpoint with its tokenizer: ``(model, tokenizer)``.
 
     Keyword arguments are :class:`Options` fields (e.g. ``compute_dtype``).
+    ``group``: an ``mx.distributed`` group (``mx.distributed.init()`` in a
+    process ``mlx.launch`` started) whose ranks share the model as
+    ``parallel`` says ("expert" or "pipeline"); every rank calls ``load``.
     """
-    return _load_checked(path, options, tokenizer=True)
+    return _load_checked(path, options, tokenizer=True, group=group)
 
 
-def load_model(path: str | Path, **options: Any):
+def load_model(path: str | Path, group: Any = None, **options: Any):
     """Load only the model of an edge0 checkpoint (no tokenizer needed)."""
-    return _load_checked(path, options, tokenizer=False)[0]
+    return _load_checked(path, options, tokenizer=False, group=group)[0]

@@ -123,7 +123,8 @@ def generate(
 ) -> None:
     """Generate text with an edge0 checkpoint (stock mlx-lm generation loop).
 
-    Sampling starts from the checkpoint's generation_config.json; the flags override it."""
+    Sampling starts from the checkpoint's generation_config.json; the flags override it.
+    Under `mlx.launch -n N`, the N processes share the model (--parallel); rank 0 prints."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
 
@@ -134,6 +135,8 @@ def generate(
     from .tensorfile import TensorFileError
 
     options = _options(**option_fields)
+    group = mx.distributed.init()  # one rank of its own unless mlx.launch started this process
+    say = click.echo if group.rank() == 0 else (lambda *args, **kwargs: None)
     if max_tokens < 1:
         _fail(f"--max-tokens must be at least 1, got {max_tokens}")
     if not prompt:
@@ -143,7 +146,7 @@ def generate(
             from .default_model import ensure_default_model
 
             model_path = ensure_default_model(log=lambda m: click.echo(m, err=True))
-        model, tokenizer = load(model_path, **options.to_dict())
+        model, tokenizer = load(model_path, group=group if group.size() > 1 else None, **options.to_dict())
         shipped, source = read_sampling(model_path)
         sampling = shipped.override(
             temp=temp,
@@ -159,7 +162,7 @@ def generate(
         _fail(f"{e.filename or model_path}: cannot be read ({e.strerror or e})")
     model.limit_buffer_cache()  # this process runs this model alone
     origin = f" (from {source.name}; flags override)" if source is not None else ""
-    click.echo(f"sampling: {sampling.describe()}, seed {seed}{origin}", err=True)
+    say(f"sampling: {sampling.describe()}, seed {seed}{origin}", err=True)
     mx.random.seed(seed)
     if chat and tokenizer.chat_template is not None:
         prompt = tokenizer.apply_chat_template(
@@ -175,19 +178,21 @@ def generate(
         sampler=sampling.sampler(),
         logits_processors=sampling.logits_processors(),
     ):
-        click.echo(response.text, nl=False)
-    click.echo()
+        say(response.text, nl=False)
+    say()
     if response is not None:
-        click.echo(
+        say(
             f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.2f} tok/s | "
             f"generation: {response.generation_tokens} tokens, {response.generation_tps:.2f} tok/s | "
             f"peak memory: {response.peak_memory:.3f} GB",
             err=True,
         )
-    if as_json:
-        click.echo(json.dumps({"edge0_stats": model.stats()}, indent=2), err=True)
+    ranked = {"rank": group.rank(), "ranks": group.size()} if group.size() > 1 else {}
+    if as_json:  # every rank: each reads and holds its own share
+        click.echo(json.dumps({"edge0_stats": model.stats(), **ranked}, indent=2), err=True)
     elif stats:
-        click.echo(format_stats(model.stats()), err=True)
+        header = f"rank {group.rank()} of {group.size()}:\n" if ranked else ""
+        click.echo(header + format_stats(model.stats()), err=True)
 
 
 @main.command()

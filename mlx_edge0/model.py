@@ -11,18 +11,24 @@ evaluated, so building the model allocates no expert memory.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
+from mlx_lm import __version__ as mlx_lm_version
 from mlx_lm.models.cache import KVCache
 
 from .checkpoint import CheckpointError, Edge0Section
 from .lora import attach, consumer_k, has_adapters, read_adapters
 from .options import Options
+from .parallel import ExpertShard, Parallel, pipeline_stage
 from .runtime import StreamingRuntime
 from .streaming import StreamingMoE
+
+
+LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class Edge0Args:
     section: Edge0Section
     options: Options
     checkpoint_dir: Path
+    parallel: Optional[Parallel] = None  # this process's share of the model (mx.distributed)
 
 
 class Edge0Model:
@@ -49,23 +56,38 @@ class Edge0Model:
         super().__init__(args.stock_args)
         self.edge0_section = args.section
         self.edge0_checkpoint_dir = args.checkpoint_dir
-        self.edge0_runtime = StreamingRuntime(args.checkpoint_dir, args.section, args.options)
-        layers = self.layers
-        stock_moe = [i for i, layer in enumerate(layers) if isinstance(layer.mlp, self.stock_block)]
-        if list(args.section.moe_layers) != stock_moe:
+        # The layers this process runs: all, or (pipeline parallel) mlx-lm's
+        # stage of them, ``model.layers`` then being that stage's.
+        self.edge0_stage = self._pipeline(args) if args.parallel and args.parallel.mode == "pipeline" else None
+        first, layers = (self.edge0_stage or (0, 0))[0], self.layers
+        stock_moe = [first + i for i, layer in enumerate(layers) if isinstance(layer.mlp, self.stock_block)]
+        expected = [i for i in args.section.moe_layers if first <= i < first + len(layers)]
+        if expected != stock_moe:
             raise CheckpointError(
                 f"{args.checkpoint_dir / 'config.json'}: edge0.moe_layers "
                 f"{list(args.section.moe_layers)} do not match the MoE layers "
                 f"{stock_moe} of this {args.model_type} config"
             )
+        shard = (
+            ExpertShard(args.parallel.group, args.section.experts.num_experts)
+            if args.parallel and args.parallel.mode == "expert"
+            else None
+        )
+        self.edge0_runtime = StreamingRuntime(
+            args.checkpoint_dir,
+            args.section,
+            args.options,
+            layers=stock_moe if self.edge0_stage else None,
+            shard=shard,
+        )
         for i in stock_moe:
-            layers[i].mlp = self.streaming_block.from_stock(
-                layers[i].mlp,
+            layers[i - first].mlp = self.streaming_block.from_stock(
+                layers[i - first].mlp,
                 layer=i,
                 source=self.edge0_runtime,
                 num_experts_per_tok=self.edge0_runtime.k_of[i],
             )
-        self.edge0_runtime.attach({i: layers[i].mlp.route for i in stock_moe})
+        self.edge0_runtime.attach({i: layers[i - first].mlp.route for i in stock_moe})
         # Adapters wrap their (still unquantized) targets now; ``sanitize``
         # renames the base tensors under them, and mlx-lm quantizes and loads
         # the whole tree strictly as usual.
@@ -73,7 +95,31 @@ class Edge0Model:
         if args.options.lora and has_adapters(args.checkpoint_dir):
             self.edge0_adapters = read_adapters(args.checkpoint_dir, k=consumer_k(self))
             config = self.edge0_adapters.config
-            attach(self, config.targets, config.rank, config.alpha)
+            attach(self, tuple(t for t in config.targets if self._in_stage(t)), config.rank, config.alpha)
+
+    def _pipeline(self, args: Edge0Args) -> tuple[int, int]:
+        """Keep only this rank's pipeline stage (mlx-lm's ``pipeline``):
+        returns its ``[first, end)`` layers.
+
+        Raises:
+            ValueError: the installed mlx-lm cannot pipeline this family.
+        """
+        stage = pipeline_stage(self)
+        if stage is None:
+            raise ValueError(
+                f"{args.checkpoint_dir / 'config.json'}: mlx-lm {mlx_lm_version} has no pipeline parallel for "
+                f"model_type {args.model_type!r}; use parallel='expert' (every family has it)"
+            )
+        stage.pipeline(args.parallel.group)
+        return stage.start_idx, stage.end_idx
+
+    def _in_stage(self, name: str) -> bool:
+        """Whether a parameter or module path belongs to this process's
+        layers (everything outside ``layers.N`` is every stage's)."""
+        if self.edge0_stage is None:
+            return True
+        found = LAYER_NUMBER.search(name)
+        return found is None or self.edge0_stage[0] <= int(found.group(1)) < self.edge0_stage[1]
 
     @property
     def make_cache(self) -> Callable[[], list]:
@@ -120,6 +166,8 @@ class Edge0Model:
         weights = super().sanitize(weights)
         if self.edge0_adapters is not None:
             weights = self.edge0_adapters.with_weights(weights)
+        if self.edge0_stage is not None:  # the other stages' layers are not in this model
+            weights = {k: v for k, v in weights.items() if self._in_stage(k)}
         dtype = self.edge0_runtime.compute_dtype
         if dtype is None:
             return weights

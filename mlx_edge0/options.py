@@ -22,6 +22,7 @@ COMPUTE_DTYPES = ("auto", "native", "float32", "bfloat16", "float16")
 PREFILL_PATHS = ("auto", "whole-layer", "exact")
 HOT_POLICIES = ("lfu", "lru")
 PAGE_CACHE_POLICIES = ("keep", "drop-prefill", "bypass")
+PARALLEL_MODES = ("expert", "pipeline")
 GIB = 1 << 30
 # A staged window needs one buffer per prerouted layer the host may build
 # ahead of compute (2) plus the one being filled.
@@ -105,6 +106,11 @@ class Options:
         lora: apply the checkpoint's recovery LoRA adapters
             (``adapters.safetensors``) when it has them, unmerged; False =
             the int4 base alone.
+        parallel: how the ranks of an ``mx.distributed`` group (``load(...,
+            group=...)``, ``mlx.launch``) share the model: "expert" (each
+            rank reads and computes its share of every layer's experts) or
+            "pipeline" (each keeps its share of the layers; the families
+            whose mlx-lm model can pipeline). One process ignores it.
     """
 
     compute_dtype: str = _option(
@@ -127,6 +133,12 @@ class Options:
     prerouter: bool = _option(True, "Route with the prerouter heads' predictions (when the checkpoint has heads).")
     k: int = _option(0, "Experts per token on prerouted layers (0 = the checkpoint's K).")
     lora: bool = _option(True, "Apply the checkpoint's recovery LoRA adapters (when it has them), unmerged.")
+    parallel: str = _option(
+        "expert",
+        "How the ranks of an mlx.launch group share the model: each reads and computes its share of every "
+        "layer's experts, or keeps its share of the layers (families mlx-lm can pipeline).",
+        choices=PARALLEL_MODES,
+    )
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -150,6 +162,8 @@ class Options:
             raise ValueError(f"k must be an integer >= 0 (0 = the checkpoint's K), got {self.k!r}")
         if self.page_cache not in PAGE_CACHE_POLICIES:
             raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_POLICIES)}, got {self.page_cache!r}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
         if self.prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
 

@@ -160,4 +160,4 @@ class WholeLayerPath:
         # by the previous layer) lands; then start the next layer's read.
         mx.eval(inds)
         weights = self.loader.take(layer).with_scales_dtype(self.compute_dtype)
-        return expert_glu(x, inds, weights)
+        return expert_glu(x, self.loader.rows(inds), weights)

@@ -20,6 +20,7 @@ from typing import Callable
 from .checkpoint import CONFIG_FILE, Edge0Section
 from .model import Edge0Args
 from .options import RUNTIME_KEY, Options
+from .parallel import PARALLEL_KEY
 from .trust import check_code
 
 
@@ -46,6 +47,7 @@ class ModelArgsReader:
             section=section,
             options=options,
             checkpoint_dir=self.checkpoint_dir,
+            parallel=config.get(PARALLEL_KEY),
         )
 
 

@@ -92,7 +92,7 @@ class Plan:
 
     inds: mx.array  # [B, 1, K]
     scores: mx.array  # [B, 1, K]
-    ids: np.ndarray  # the unique routed experts over the batch (== the staged set)
+    ids: np.ndarray  # the unique routed experts over the batch this process computes (== the staged set)
     fill: Optional[Fill] = None  # None: its fill has not started (a window)
     buffer: Optional[StagingBuffer] = None  # the staging buffer it fills
 
@@ -112,6 +112,7 @@ class Prerouting:
         telemetry: Telemetry,
         compute_dtype: Optional[mx.Dtype],
         num_experts: int,
+        local: Callable[[np.ndarray], np.ndarray] = lambda ids: ids,
     ):
         """
         Args:
@@ -120,6 +121,8 @@ class Prerouting:
             routes: consumer layer -> its routing math.
             buffers: consumer layer -> its staging buffer (without a window).
             window: the window's staging buffers (empty: one per consumer).
+            local: the experts of a routed set this process computes (an
+                expert-parallel rank's own; default all): only those are staged.
         """
         self.heads = heads
         self.consumer_of = consumer_of
@@ -130,6 +133,7 @@ class Prerouting:
         self.telemetry = telemetry
         self.compute_dtype = compute_dtype
         self.num_experts = num_experts
+        self.local = local
         self.owners = sorted(consumer_of)
         self.owner_of = {c: o for o, c in consumer_of.items()}
         self.state: Optional[ArraysCache] = None
@@ -201,7 +205,7 @@ class Prerouting:
             if not valid_host[j].all():  # mixed batch: gate for the rest, on demand
                 self.partial[consumer] = (valids[j][:, None], logits[j][:, None, :])
                 continue
-            self.planned[consumer] = Plan(*routed[j], np.unique(inds_host[j]))
+            self.planned[consumer] = Plan(*routed[j], self.local(np.unique(inds_host[j])))
         self.order = sorted(self.planned)
         for rank in fills_at_open(len(self.order), len(self.window)):
             self._start(rank)
@@ -252,8 +256,10 @@ class Prerouting:
         use = use[..., None]
         return mx.where(use, p_inds, inds), mx.where(use, p_scores, scores)
 
-    def experts(self, layer: int, x: mx.array, plan: Plan) -> mx.array:
-        """Compute a prerouted layer from its staging buffer (waiting only for its reads)."""
+    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Plan) -> mx.array:
+        """Compute a prerouted layer's experts ``inds`` (the plan's, or this
+        process's share of them) from its staging buffer, waiting only for
+        its reads."""
         buffer = plan.buffer
         mx.async_eval(x)  # the compute thread runs everything up to here while the reads land
         self._start(refill_at(self.order.index(layer), len(self.window)))
@@ -263,7 +269,7 @@ class Prerouting:
             buffer.invalidate()
             raise
         self.telemetry.current.prerouted += 1
-        return buffer.rows.compute(x, mx.take(plan.fill.slot_table, plan.inds), self.compute_dtype)
+        return buffer.rows.compute(x, mx.take(plan.fill.slot_table, inds), self.compute_dtype)
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
         """Owner layers: run the head on every position; keep the prediction

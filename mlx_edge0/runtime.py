@@ -19,8 +19,9 @@ transients do not pile up (process-wide, so the caller's choice:
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -28,6 +29,7 @@ from mlx.utils import tree_flatten
 from .checkpoint import Edge0Section
 from .hot import HotCache, hot_capacity
 from .options import Options
+from .parallel import ExpertShard
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
 from .prerouter_heads import load_heads
@@ -42,25 +44,45 @@ from .telemetry import Telemetry
 class StreamingRuntime:
     """Store, caches, paths and telemetry of one loaded model: its expert source."""
 
-    def __init__(self, checkpoint_dir: Path, section: Edge0Section, options: Options):
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        section: Edge0Section,
+        options: Options,
+        *,
+        layers: Optional[Sequence[int]] = None,
+        shard: Optional[ExpertShard] = None,
+    ):
+        """
+        Args:
+            layers: the MoE layers this process runs (default all; a pipeline
+                stage's share): only their files are opened, only heads
+                whose owner and consumer are both among them are used.
+            shard: this rank's share of the experts (expert parallel).
+        """
         self.options = options
         self.section = section
+        self.shard = shard
         self.compute_dtype = options.dtype()
         self.telemetry = Telemetry()
+        layers = tuple(section.moe_layers if layers is None else layers)
+        owned = None if shard is None else shard.owned
         self.store = ExpertStore(
             checkpoint_dir,
             section,
             options.io_threads,
             self.telemetry,
             bypass_page_cache=options.page_cache == "bypass",
+            layers=layers,
+            experts=owned,
         )
         g = section.experts
         pool_dtype = self.pool_dtype = pool_scales_dtype(g, self.compute_dtype)
         k = section.num_experts_per_tok
-        layers = section.moe_layers
-        expert_bytes = g.bundle_bytes * g.num_experts * len(layers)
+        self.local_experts = g.num_experts if shard is None else len(owned)
+        expert_bytes = g.bundle_bytes * self.local_experts * len(layers)
         capacity = hot_capacity(
-            options.cache_bytes(expert_bytes), SlotBuffers.row_nbytes(g, pool_dtype), g.num_experts * len(layers)
+            options.cache_bytes(expert_bytes), SlotBuffers.row_nbytes(g, pool_dtype), self.local_experts * len(layers)
         )
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         if options.k and not section.prerouter:
@@ -76,7 +98,10 @@ class StreamingRuntime:
         self.k_of = {layer: k for layer in layers}
         if spec is not None:
             self.k_of.update({c: spec.k for c in spec.consumers})
-        self.consumer_of = consumer_of = dict(zip(spec.owners, spec.consumers)) if spec and options.prerouter else {}
+        # This process's heads: those whose owner and consumer it runs.
+        local_pairs = {o: c for o, c in zip(spec.owners, spec.consumers) if o in layers and c in layers} if spec else {}
+        heads = {o: h for o, h in heads.items() if o in local_pairs}
+        self.consumer_of = consumer_of = local_pairs if options.prerouter else {}
         if consumer_of and mx.default_device() == mx.cpu:
             for head in heads.values():  # otherwise they stay unread until a forward uses them
                 head.hold_transposed()
@@ -95,7 +120,9 @@ class StreamingRuntime:
             StagingBuffer(self.store, -1, min(options.staged_slots or spec.k, g.num_experts), pool_dtype)
             for _ in range(window)
         ]
-        self.loader = WholeLayerLoader(self.store, layers, pool_dtype, drop_pages=options.page_cache == "drop-prefill")
+        self.loader = WholeLayerLoader(
+            self.store, layers, pool_dtype, drop_pages=options.page_cache == "drop-prefill", experts=owned
+        )
         dtype, tel = self.compute_dtype, self.telemetry
         self.exact = ExactPath(self.store, tel, dtype, pool_dtype, max(self.k_of.values()))
         self.decode_fallback = HotPath(self.hot, self.exact, tel, dtype) if self.hot else self.exact
@@ -126,6 +153,7 @@ class StreamingRuntime:
                 telemetry=self.telemetry,
                 compute_dtype=self.compute_dtype,
                 num_experts=self.section.experts.num_experts,
+                **({} if self.shard is None else {"local": self.shard.local}),
             )
 
     @contextmanager
@@ -172,10 +200,17 @@ class StreamingRuntime:
         """The routed experts' outputs ``[B, L, K, D]`` for routing ``inds``."""
         if self.training_source is not None:
             return self.training_source.experts(layer, x, inds, plan)
-        if plan is not None:
-            y = self.prerouting.experts(layer, x, plan)
-        else:
-            y = self.path(x.shape[0], x.shape[1]).experts(layer, x, inds)
+        compute = (
+            partial(self.prerouting.experts, plan=plan)
+            if plan is not None
+            else self.path(x.shape[0], x.shape[1]).experts
+        )
+        if self.shard is None:
+            y = compute(layer, x, inds)
+        else:  # this rank's (token, slot) pairs, then every rank's in one all_sum
+            pairs = self.shard.pairs(inds)
+            y_pairs = compute(layer, *self.shard.inputs(x, pairs))
+            y = self.shard.combine(y_pairs, pairs, self.compute_dtype or x.dtype, x.shape[-1])
         if self.prerouting is not None:
             self.prerouting.observe(layer, x, inds)
         return y
@@ -191,7 +226,7 @@ class StreamingRuntime:
             return self.exact
         if mode == "whole-layer":
             return self.whole_layer
-        if mode == "auto" and batch * length * self.section.num_experts_per_tok >= self.section.experts.num_experts:
+        if mode == "auto" and batch * length * self.section.num_experts_per_tok >= self.local_experts:
             return self.whole_layer
         return self.decode_fallback
 

@@ -398,7 +398,17 @@ class ExpertStore:
         io_threads: int = 4,
         telemetry: Optional[Telemetry] = None,
         bypass_page_cache: bool = False,
+        layers: Optional[Sequence[int]] = None,
+        experts: Optional[Sequence[int]] = None,
     ):
+        """
+        Args:
+            layers: the MoE layers this process runs (default all): only
+                their files are opened (a pipeline stage's share).
+            experts: the experts of each layer this process may read
+                (default all; an expert-parallel rank's share): a read of
+                any other is an error.
+        """
         self.checkpoint_dir = Path(checkpoint_dir)
         self.geometry = section.experts
         self.alignment = section.alignment
@@ -407,9 +417,13 @@ class ExpertStore:
         self.bypass_page_cache = bypass_page_cache
         self.suspect = False  # a read failed: check every file before the next read
         self.layers: dict[int, LayerFile] = {}
+        self.readable = np.ones(self.geometry.num_experts, bool)
+        if experts is not None:
+            self.readable[:] = False
+            self.readable[np.asarray(experts, np.int64)] = True
         self._pools: tuple[ThreadPoolExecutor, ...] = ()
         try:
-            for layer in section.moe_layers:
+            for layer in section.moe_layers if layers is None else layers:
                 path = self.checkpoint_dir / expert_file(layer)
                 if not path.exists():
                     raise TensorFileError(f"{path}: expert file for MoE layer {layer} is missing")
@@ -450,6 +464,12 @@ class ExpertStore:
         pairs = sorted(zip((int(e) for e in ids), rows))
         if any(not 0 <= e < self.geometry.num_experts for e, _ in pairs):
             raise ValueError(f"layer {layer}: expert id out of range in {list(ids)}")
+        if not all(self.readable[e] for e, _ in pairs):
+            raise ValueError(
+                f"layer {layer}: experts {[e for e, _ in pairs if not self.readable[e]]} are not this store's"
+            )
+        if self.telemetry.read_trace is not None and pairs:
+            self.telemetry.read_trace.append((layer, [e for e, _ in pairs]))
         src_code, dst_code = self.geometry.scales_dtype, target.scales_code
         part_bytes = lf.part_bytes
         pad = memoryview(self._pad)[: lf.stride - lf.bundle_bytes]

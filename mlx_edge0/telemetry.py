@@ -70,13 +70,16 @@ class Telemetry:
 
     ``routing_trace``: set it to a list to record ``(layer, routed expert
     ids)`` of every MoE call that brings its routing to the host (e.g. to
-    compare cache policies on a real trace).
+    compare cache policies on a real trace). ``read_trace``: set it to a list
+    to record ``(layer, expert ids)`` of every read the store starts (e.g. to
+    check which experts a rank reads).
     """
 
     total: Stats = field(default_factory=Stats)
     current: Stats = field(default_factory=Stats)
     last_step: Stats = field(default_factory=Stats)
     routing_trace: Optional[list[tuple[int, list[int]]]] = None
+    read_trace: Optional[list[tuple[int, list[int]]]] = None
 
     def begin_step(self, tokens: int) -> None:
         """Close the running step (if any) and open a new one."""

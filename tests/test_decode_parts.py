@@ -182,7 +182,7 @@ def test_prerouted_step_computes_the_predicted_routing_from_its_fills(window):
         plan = pre.take(consumer)
         want_inds, want_scores = route(mx.broadcast_to(heads[consumer - 1].logits, (2, 1, 8)))
         assert mx.array_equal(plan.inds, want_inds).item() and mx.array_equal(plan.scores, want_scores).item()
-        got = pre.experts(consumer, x, plan)
+        got = pre.experts(consumer, x, plan.inds, plan)
         assert mx.array_equal(got, expert_glu(x, plan.inds, store.weights(consumer))).item()
         pre.observe(consumer, x, plan.inds)
     assert store.telemetry.current.prerouted == 5 and not pre.planned

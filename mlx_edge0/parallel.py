@@ -1,0 +1,154 @@
+"""Several processes, one model: expert parallel and pipeline parallel over
+``mx.distributed`` (launched by ``mlx.launch``; ring over TCP, JACCL over
+Thunderbolt, MPI).
+
+Expert parallel (:class:`ExpertShard`): every rank holds the resident weights
+(attention, norms, routers, shared experts) and routes every token itself;
+expert ``e`` of every MoE layer belongs to rank ``e mod N``. A rank reads,
+caches, stages and computes only the (token, slot) pairs routed to its own
+experts, writes their outputs into the slots of a zero ``[B, L, K, D]``
+tensor, and one ``all_sum`` per MoE call combines the ranks' tensors. Every
+slot is written on exactly one rank and the others add zeros to it, so the
+sum *is* the single-process tensor (``v + 0 == v``), and the block mixes it
+with the scores as one process does: tokens and logits are those of one
+process, to the bit wherever one pair's product does not depend on which
+other pairs are multiplied with it (it does not on the CPU; tests check).
+Summing the mixed ``[B, L, D]`` instead would move K times fewer bytes but
+round the ranks' partial mixtures apart; at decode the collective costs its
+latency, not its bytes (BENCHMARKS.md, "Expert parallel").
+
+Pipeline parallel (:func:`pipeline_stage`): mlx-lm's own ``pipeline(group)``
+of the families whose model has one; each rank keeps its layers' resident
+weights and opens only those layers' expert files. A prerouter head whose
+consumer layer is on another rank is dropped: that layer routes with its
+gate, as the first MoE layer always does.
+
+Every rank must load the same checkpoint: :func:`check_same_checkpoint`
+compares digests across the group before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, expert_file
+from .options import PARALLEL_MODES
+from .tensorfile import read_header
+
+# The key under which mlx-edge0's loaders hand a :class:`Parallel` to the
+# model through mlx-lm's ``model_config`` (in process; never written to disk).
+PARALLEL_KEY = "edge0_parallel"
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How this process shares a model with the other ranks of ``group``."""
+
+    group: Any  # mx.distributed.Group
+    mode: str = "expert"
+
+    def __post_init__(self):
+        if self.mode not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """The (token, slot) pairs of one MoE call routed to this rank's experts."""
+
+    tokens: np.ndarray  # [P] flat token index (b * L + l)
+    positions: np.ndarray  # [P] flat (token, slot) index into B * L * K
+    experts: np.ndarray  # [P] global expert id
+    shape: tuple[int, int, int]  # B, L, K
+
+    @property
+    def count(self) -> int:
+        return len(self.positions)
+
+
+class ExpertShard:
+    """This rank's share of every MoE layer's experts (see the module docstring)."""
+
+    def __init__(self, group: Any, num_experts: int):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.num_experts = num_experts
+        self.owner = np.arange(num_experts) % self.size  # rank of each expert
+        self.owned = np.flatnonzero(self.owner == self.rank)
+
+    def local(self, ids: np.ndarray) -> np.ndarray:
+        """The experts of ``ids`` this rank owns."""
+        ids = np.asarray(ids)
+        return ids[self.owner[ids] == self.rank]
+
+    def pairs(self, inds: mx.array) -> Pairs:
+        """This rank's pairs of routing ``inds`` ``[B, L, K]`` (a host sync)."""
+        host = np.array(inds)
+        flat = host.reshape(-1)
+        positions = np.flatnonzero(self.owner[flat] == self.rank)
+        return Pairs(positions // host.shape[-1], positions, flat[positions], host.shape)
+
+    @staticmethod
+    def inputs(x: mx.array, pairs: Pairs) -> tuple[mx.array, mx.array]:
+        """The pairs as a call of their own: activations ``[P, D]``, experts ``[P, 1]``."""
+        x_pairs = x.reshape(-1, x.shape[-1])[mx.array(pairs.tokens.astype(np.int32))]
+        return x_pairs, mx.array(pairs.experts.astype(np.uint32)[:, None])
+
+    def combine(self, y_pairs: Optional[mx.array], pairs: Pairs, dtype: mx.Dtype, width: int) -> mx.array:
+        """Every rank's pair outputs ``[P, 1, D]`` in their slots of ``[B, L, K, D]``
+        (None: this rank has no pair in this call)."""
+        B, L, K = pairs.shape
+        full = mx.zeros((B * L * K, width), dtype)
+        if y_pairs is not None and pairs.count:
+            full[mx.array(pairs.positions.astype(np.int32))] = y_pairs[:, 0].astype(dtype)
+        return mx.distributed.all_sum(full, group=self.group).reshape(B, L, K, width)
+
+
+def pipeline_stage(model: Any) -> Optional[Any]:
+    """The module of ``model`` that has mlx-lm's ``pipeline(group)``, or None
+    when the installed mlx-lm cannot pipeline this family."""
+    for path in (("model",), ("language_model", "model")):
+        stage = model
+        for name in path:
+            stage = getattr(stage, name, None)
+        if stage is not None and callable(getattr(stage, "pipeline", None)):
+            return stage
+    return None
+
+
+def checkpoint_digest(directory: Path, section: Edge0Section) -> bytes:
+    """SHA-256 over config.json (which names every file's SHA-256 and the
+    conversion's generation id when convert wrote them) and the headers of
+    the resident and expert files (which name the tensors, their layout and
+    the generation of checkpoints that predate those)."""
+    digest = hashlib.sha256((directory / CONFIG_FILE).read_bytes())
+    for name in [RESIDENT_FILE, *(expert_file(layer) for layer in section.moe_layers)]:
+        header = read_header(directory / name)
+        digest.update(name.encode())
+        digest.update(repr(sorted((k, v.dtype, v.shape, v.start, v.end) for k, v in header.entries.items())).encode())
+        digest.update(repr(sorted(header.metadata.items())).encode())
+    return digest.digest()
+
+
+def check_same_checkpoint(group: Any, directory: Path, section: Edge0Section) -> None:
+    """Refuse to start unless every rank of ``group`` loads the same checkpoint.
+
+    Raises:
+        ValueError: naming the ranks whose checkpoint differs from rank 0's.
+    """
+    mine = np.frombuffer(checkpoint_digest(directory, section), np.uint8)
+    everyone = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu)).reshape(group.size(), -1)
+    differ = [r for r in range(group.size()) if not np.array_equal(everyone[r], everyone[0])]
+    if differ:
+        ranks = ", ".join(str(r) for r in differ)
+        raise ValueError(
+            f"{directory}: rank {group.rank()} of {group.size()}: the checkpoint of rank(s) {ranks} differs from "
+            "rank 0's (config.json or a tensor file header); every rank must load the same conversion"
+        )
