@@ -4,8 +4,9 @@ Guarantees:
 - streams: source tensors are loaded lazily and each MoE layer's experts are
   materialised, quantized, written and released before the next layer, so peak
   memory is about one layer plus the resident weights, never the whole model;
-- atomic: everything is written into a temporary sibling of OUT that is renamed
-  into place at the end; any failure or interrupt removes it, leaving no OUT;
+- atomic (``mlx_edge0.atomic.atomic_directory``): everything is written into a
+  temporary sibling of OUT that is renamed into place at the end; any failure
+  or interrupt (SIGTERM too) removes it, leaving no OUT;
   with ``--force`` the new OUT takes the old one's place in one atomic
   exchange where the OS has one (Linux, macOS), so a path under OUT names a
   file of the old checkpoint or of the new one, never nothing;
@@ -20,11 +21,8 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import io
 import json
-import os
 import shutil
 import signal
 import sys
@@ -40,6 +38,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
+from ..atomic import atomic_directory
 from ..checkpoint import (
     ALIGNMENT,
     CONFIG_FILE,
@@ -149,97 +148,23 @@ def _load_source_weights(src: Path) -> tuple[dict[str, mx.array], dict[str, Path
     return weights, origin
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temp_dirs(out: Path) -> list[Path]:
-    """Remove temp dirs that a killed convert (SIGKILL, power loss) left next
-    to ``out``: those whose writer process no longer runs."""
-    removed = []
-    for kind in ("tmp", "old"):
-        for path in out.parent.glob(f".{out.name}.edge0-{kind}-*"):
-            pid = path.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _pid_alive(int(pid)):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Swap two existing paths in one atomic step (Linux ``renameat2``
-    RENAME_EXCHANGE, macOS ``renamex_np`` RENAME_SWAP): False where the OS
-    or filesystem has no such call."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
-        at_fdcwd, rename_exchange = -100, 2
-        call = libc.renameat2
-        call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        rc = call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
-        rename_swap = 2
-        call = libc.renamex_np
-        call.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
-        rc = call(os.fsencode(a), os.fsencode(b), rename_swap)
-    else:
-        return False
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Put ``new`` at ``out``, whose old tree is then deleted: an atomic
-    exchange where possible, else two renames (a moment without OUT)."""
-    if exchange(new, out):
-        shutil.rmtree(new, ignore_errors=True)  # now the old tree
-        return
-    old = out.parent / f".{out.name}.edge0-old-{os.getpid()}"
-    out.rename(old)
-    new.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 @contextmanager
-def _atomic_dir(out: Path):
-    """Yield a temp dir next to ``out``; rename it to ``out`` on success."""
-    if out.parent.exists():
-        remove_stale_temp_dirs(out)
-    tmp = out.parent / f".{out.name}.edge0-tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    previous = signal.getsignal(signal.SIGTERM)
+def _sigterm_interrupts() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while converting, so that the
+    temporary OUT is removed as on Ctrl-C (only the main thread can)."""
 
     def on_term(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
 
-    in_main = True
     try:
-        signal.signal(signal.SIGTERM, on_term)
+        previous = signal.signal(signal.SIGTERM, on_term)
     except ValueError:  # not the main thread
-        in_main = False
+        yield
+        return
     try:
-        yield tmp
-        if out.exists():
-            _replace_dir(tmp, out)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        yield
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _moe_switch_paths(model: nn.Module, stock_block: type) -> dict[int, str]:
@@ -369,7 +294,7 @@ def _write_checkpoint(source: _Source, out_dir: Path, options: ConvertOptions) -
     _check_resident_finite(source)
     generation = new_generation()
     written: dict[str, Written] = {}
-    with _atomic_dir(out_dir) as tmp:
+    with _sigterm_interrupts(), atomic_directory(out_dir, replace=options.force) as tmp:
         (tmp / EXPERT_DIR).mkdir()
         geometry = None
         with _progress(list(source.switch_paths.items()), options, "experts", lambda it: f"layer {it[0]}") as items:

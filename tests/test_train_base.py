@@ -126,7 +126,7 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
     options = LoopOptions(tmp_path, steps=2, learning_rate=1e-3, checkpoint_every=1)
     run_loop(tiny_moe(), lm_loss, random_batch, options, "first")
     # A crash mid-write leaves a temp dir, or a step dir without its state file.
-    (tmp_path / CHECKPOINTS / ".step_0000009.tmp").mkdir()
+    (tmp_path / CHECKPOINTS / ".step_0000009.edge0-tmp-1").mkdir()
     (tmp_path / CHECKPOINTS / "step_0000008").mkdir()
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_0000001", "step_0000002"]
 

@@ -24,10 +24,7 @@ import importlib
 import io
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 import time
 import zlib
 from dataclasses import MISSING, dataclass, field, fields
@@ -44,6 +41,7 @@ from mlx_lm.utils import (
     save_config,
 )
 
+from ..atomic import atomic_directory
 from ..checkpoint import text_config
 from ..model_patches import resolve_model_type
 from ..progress import note
@@ -333,18 +331,11 @@ def synth_checkpoint(
     start = time.perf_counter()
     model, config = quantized_model(source_config(options), options.seed, options.quantize_embeddings)
     config["edge0_synthetic"] = synthetic_origin(options)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is not
+    with atomic_directory(out, replace=options.force) as tmp:
         index, n_shards, n_tensors = _write_shards(tmp, model, options.seed, progress)
         with open(tmp / "model.safetensors.index.json", "w") as f:
             json.dump(index, f, indent=4)
         save_config(config, tmp / "config.json")
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return SynthReport(
         path=out,
         shards=n_shards,
@@ -352,14 +343,3 @@ def synth_checkpoint(
         total_bytes=index["metadata"]["total_size"],
         seconds=time.perf_counter() - start,
     )
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``, moving an existing ``dst`` aside first."""
-    old = None
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f"{dst.name}.old-", dir=dst.parent))
-        os.replace(dst, old / dst.name)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

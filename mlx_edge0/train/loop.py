@@ -13,7 +13,6 @@ was never interrupted.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..progress import bar
-from ..atomic import write_json_atomic
+from ..atomic import atomic_directory, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "log.json"
@@ -207,22 +206,18 @@ def _save_checkpoint(
     root = out_dir / CHECKPOINTS
     root.mkdir(exist_ok=True)
     final = root / f"step_{step:07d}"
-    tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    mx.save_safetensors(str(tmp / TRAINABLE_FILE), dict(tree_flatten(model.trainable_parameters())))
-    mx.save_safetensors(str(tmp / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)))
-    state = {
-        "step": step,
-        "seed": options.seed,
-        "description": description,
-        "options": options.trajectory(),
-        "elapsed_s": elapsed,
-        "log": log,
-    }
-    _write_json(tmp / STATE_FILE, state)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+    with atomic_directory(final, replace=True) as tmp:
+        mx.save_safetensors(str(tmp / TRAINABLE_FILE), dict(tree_flatten(model.trainable_parameters())))
+        mx.save_safetensors(str(tmp / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)))
+        state = {
+            "step": step,
+            "seed": options.seed,
+            "description": description,
+            "options": options.trajectory(),
+            "elapsed_s": elapsed,
+            "log": log,
+        }
+        _write_json(tmp / STATE_FILE, state)
     for old in checkpoint_dirs(out_dir)[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old)
     return final
