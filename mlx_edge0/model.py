@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 from .checkpoint import CheckpointError, Edge0Section
 from .lora import attach, consumer_k, has_adapters, read_adapters
 from .options import Options
-from .parallel import ExpertShard, Parallel, pipeline_stage
+from .parallel import ExpertShard, Parallel, check_same_checkpoint, pipeline_stage
 from .runtime import StreamingRuntime
 from .streaming import StreamingMoE
 
@@ -73,6 +73,7 @@ class Edge0Model:
             if args.parallel and args.parallel.mode == "expert"
             else None
         )
+        self.edge0_options = args.options
         self.edge0_runtime = StreamingRuntime(
             args.checkpoint_dir,
             args.section,
@@ -87,7 +88,7 @@ class Edge0Model:
                 source=self.edge0_runtime,
                 num_experts_per_tok=self.edge0_runtime.k_of[i],
             )
-        self.edge0_runtime.attach({i: layers[i - first].mlp.route for i in stock_moe})
+        self.edge0_runtime.attach(self._routes())
         # Adapters wrap their (still unquantized) targets now; ``sanitize``
         # renames the base tensors under them, and mlx-lm quantizes and loads
         # the whole tree strictly as usual.
@@ -96,6 +97,33 @@ class Edge0Model:
             self.edge0_adapters = read_adapters(args.checkpoint_dir, k=consumer_k(self))
             config = self.edge0_adapters.config
             attach(self, tuple(t for t in config.targets if self._in_stage(t)), config.rank, config.alpha)
+
+    def _blocks(self) -> list[StreamingMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, StreamingMoE)]
+
+    def _routes(self) -> dict:
+        return {block.layer: block.route for block in self._blocks()}
+
+    def shard(self, group: Optional[Any] = None) -> None:
+        """mlx-lm's tensor-parallel hook, which its ``sharded_load`` calls
+        (``mlx_lm.server`` under ``mlx.launch``): for an edge0 model, expert
+        parallel over ``group`` (default: the global group). The runtime is
+        rebuilt for this rank's share; every rank must call it."""
+        group = group or mx.distributed.init()
+        if self.edge0_stage is not None or self.edge0_runtime.shard is not None:
+            raise ValueError("this model is already shared with other ranks")
+        check_same_checkpoint(group, self.edge0_checkpoint_dir, self.edge0_section)
+        self.edge0_runtime.close()
+        runtime = StreamingRuntime(
+            self.edge0_checkpoint_dir,
+            self.edge0_section,
+            self.edge0_options,
+            shard=ExpertShard(group, self.edge0_section.experts.num_experts),
+        )
+        for block in self._blocks():
+            block.source = runtime
+        runtime.attach(self._routes())
+        self.edge0_runtime = runtime
 
     def _pipeline(self, args: Edge0Args) -> tuple[int, int]:
         """Keep only this rank's pipeline stage (mlx-lm's ``pipeline``):

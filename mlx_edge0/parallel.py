@@ -144,6 +144,9 @@ def check_same_checkpoint(group: Any, directory: Path, section: Edge0Section) ->
         ValueError: naming the ranks whose checkpoint differs from rank 0's.
     """
     mine = np.frombuffer(checkpoint_digest(directory, section), np.uint8)
+    # Collectives of different streams must not interleave: let work still in
+    # flight (e.g. a generation step mlx-lm evaluates ahead) end first.
+    mx.synchronize()
     everyone = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu)).reshape(group.size(), -1)
     differ = [r for r in range(group.size()) if not np.array_equal(everyone[r], everyone[0])]
     if differ:

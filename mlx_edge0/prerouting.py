@@ -206,6 +206,8 @@ class Prerouting:
                 self.partial[consumer] = (valids[j][:, None], logits[j][:, None, :])
                 continue
             self.planned[consumer] = Plan(*routed[j], self.local(np.unique(inds_host[j])))
+            if self.telemetry.routing_trace is not None:
+                self.telemetry.routing_trace.append((consumer, self.planned[consumer].ids.tolist()))
         self.order = sorted(self.planned)
         for rank in fills_at_open(len(self.order), len(self.window)):
             self._start(rank)

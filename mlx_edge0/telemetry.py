@@ -69,8 +69,9 @@ class Telemetry:
     """The running total and the last completed step.
 
     ``routing_trace``: set it to a list to record ``(layer, routed expert
-    ids)`` of every MoE call that brings its routing to the host (e.g. to
-    compare cache policies on a real trace). ``read_trace``: set it to a list
+    ids)`` of every MoE call that brings its routing to the host, prerouted
+    ones included (e.g. to compare cache policies on a real trace); an
+    expert-parallel rank records the experts it computes. ``read_trace``: set it to a list
     to record ``(layer, expert ids)`` of every read the store starts (e.g. to
     check which experts a rank reads).
     """

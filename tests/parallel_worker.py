@@ -28,7 +28,13 @@ def run_one(run: dict, group: Optional[Any]) -> dict[str, np.ndarray]:
     checkpoint = run["checkpoint"]  # or one per rank
     if isinstance(checkpoint, list):
         checkpoint = checkpoint[group.rank()]
-    model = mlx_edge0.load_model(checkpoint, group=group, **run.get("options", {}))
+    if run.get("loader") == "mlx_lm.sharded_load":  # stock mlx-lm's way (mlx_lm.server under mlx.launch)
+        from mlx_lm.utils import sharded_load
+
+        model, _ = sharded_load(checkpoint, tensor_group=group, trust_remote_code=True)
+        model.limit_buffer_cache()
+    else:
+        model = mlx_edge0.load_model(checkpoint, group=group, **run.get("options", {}))
     telemetry = model.edge0_runtime.telemetry
     telemetry.read_trace = []
     ids = mx.array(run["prompt"])
@@ -39,6 +45,7 @@ def run_one(run: dict, group: Optional[Any]) -> dict[str, np.ndarray]:
     for token, lp in generate_step(ids, model, max_tokens=run["tokens"], prompt_cache=cache):
         tokens.append(int(token))
         logprobs.append(np.array(lp.astype(mx.float32)))
+    mx.synchronize()  # generate_step evaluates a step ahead: let its collectives end before the next run's
     read = np.array(sorted({(layer, e) for layer, ids in telemetry.read_trace for e in ids}), np.int64)
     stats = model.stats()
     return {

@@ -95,6 +95,10 @@ def cases(converted, tmp_path_factory):
                     "options": {"parallel": "expert", **options},
                 }
             )
+    # Stock mlx-lm's sharded_load (its tensor-parallel hook, ``shard``) through the checkpoint's shim.
+    for family in ("qwen3_next", "bailing_moe"):
+        runs.append({"name": f"{family}-sharded-load", "checkpoint": str(converted(family).edge0)})
+        runs[-1]["loader"] = "mlx_lm.sharded_load"
     heads = root / "qwen3_moe-heads"
     runs.append({"name": "qwen3_moe-pipeline-heads", "checkpoint": str(heads), "options": {"parallel": "pipeline"}})
     # Two conversions of one source differ in their generation ids.
@@ -166,6 +170,15 @@ def test_expert_parallel_prerouted_staged_and_whole_layer_paths(cases, family, t
         assert int(got["prerouted"]) == int(alone["prerouted"])  # every rank prerouts every consumer call
     if tag.startswith("heads"):
         assert int(alone["prerouted"]) > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bailing_moe"])
+def test_mlx_lm_sharded_load_runs_an_edge0_checkpoint_expert_parallel(cases, family):
+    run, ranks = cases[f"{family}-sharded-load"]
+    alone = one_process({**run, "loader": None})
+    assert_same_numbers(ranks, alone)
+    for rank, got in ranks.items():
+        assert all(e % RANKS == rank for _, e in experts_read(got))
 
 
 @pytest.mark.parametrize("family", PIPELINED)
@@ -257,3 +270,40 @@ def test_pipeline_stage_is_found_where_mlx_lm_puts_it(converted):
     for family in FAMILIES:
         model = mlx_edge0.load_model(converted(family).edge0)
         assert (pipeline_stage(model) is not None) == (family in PIPELINED), family
+
+
+def test_mlx_lm_server_under_mlx_launch_serves_an_edge0_checkpoint(converted, tmp_path):
+    """The serving recipe of the README: stock mlx_lm.server, rank 0 answers
+    over HTTP, rank 1 follows its batches; the real OpenAI client gets what
+    one process generates."""
+    import os
+    import signal
+
+    import openai
+    from mlx_lm.generate import generate
+
+    import mlx_edge0
+    from test_server import checkpoint_with_heads_and_adapters, wait_healthy
+
+    ckpt = checkpoint_with_heads_and_adapters(converted("bailing_moe").edge0, tmp_path / "ckpt")
+    model, tokenizer = mlx_edge0.load(ckpt)
+    prompt = "def fibonacci(n):"
+    want = generate(model, tokenizer, prompt, max_tokens=10)
+    port = free_port_pair()
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(RANKS)]
+    command += ["--starting-port", str(free_port_pair()), "--", sys.executable, "-m", "mlx_lm.server"]
+    command += ["--model", str(ckpt), "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)]
+    log = tmp_path / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(command, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+        got = client.completions.create(model="default_model", prompt=prompt, max_tokens=10, temperature=0)
+        assert got.choices[0].text == want
+        assert len(set(tokenizer.encode(want))) > 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
