@@ -12,10 +12,12 @@ experts it read per MoE layer, and the time of one ``all_sum`` of a decode
 step's combine tensor (``[1, 1, K, D]`` in the compute dtype, timed after the
 run, median of 50) times the MoE layers: the collective's cost per step.
 Medians over rounds (min-max). N above the core count oversubscribes the
-CPUs: reported as such.
+CPUs: reported as such. Ranks start with the ring backend's own
+configuration (a hostfile of loopback addresses, one per rank); an arm
+``N@mlx.launch`` starts them with ``mlx.launch`` instead.
 
-    python benchmarks/parallel.py $DATA/ling-3.0-tiny-int4-embeddings-edge0 --ranks 1,2,4 --rounds 3 \\
-        --out benchmarks/parallel-ling-3.0-tiny.json
+    python benchmarks/parallel.py $DATA/ling-3.0-tiny-int4-embeddings-edge0 --ranks 1,2,4,2@mlx.launch \\
+        --rounds 3 --page-cache bypass --out benchmarks/parallel-ling-3.0-tiny.json
 """
 
 from __future__ import annotations
@@ -118,21 +120,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_arm(args: argparse.Namespace, ranks: int) -> list[dict]:
+def ring_ranks(worker: list[str], ranks: int, out: str, timeout: int) -> None:
+    """Start ``ranks`` processes of ``worker`` with the ring backend's own
+    configuration (``MLX_HOSTFILE``: one loopback address per rank, ``MLX_RANK``),
+    as ``mlx.launch`` does locally, but without its output relay, whose
+    threads poll in a loop (a child's stdin is always writable) and take most
+    of a core of this 2-vCPU machine (the ``@mlx.launch`` arms measure that)."""
+    base = free_port()
+    hostfile = Path(out, "hosts.json")
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(ranks)]))
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+        procs.append(subprocess.Popen(worker, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"rank {rank} of {ranks} failed:\n{err[-3000:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def parse_arm(arm: str, default_mode: str) -> tuple[int, str, str]:
+    """ "N[:mode][@mlx.launch]" -> (ranks, parallel mode, launcher)."""
+    head, _, launcher = arm.partition("@")
+    ranks, _, mode = head.partition(":")
+    return int(ranks), mode or default_mode, launcher
+
+
+def run_arm(args: argparse.Namespace, arm: str) -> list[dict]:
     """One arm in fresh processes: its ranks' results."""
+    ranks, mode, launcher = parse_arm(arm, args.parallel)
     with tempfile.TemporaryDirectory() as out:
-        worker = [sys.executable, __file__, "--rank-worker", out, *args.worker_args]
-        if ranks > 1:
-            launcher = Path(sys.executable).parent / "mlx.launch"
-            worker = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks)] + [
-                "--starting-port",
-                str(free_port()),
-                "--",
-                *worker,
-            ]
-        done = subprocess.run(worker, capture_output=True, text=True, timeout=args.timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{ranks} rank(s) failed:\n{done.stderr[-3000:]}")
+        worker = [sys.executable, __file__, "--rank-worker", out, *args.worker_args, f"--parallel={mode}"]
+        if ranks > 1 and launcher == "mlx.launch":
+            command = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1"]
+            command += ["-n", str(ranks), "--starting-port", str(free_port()), "--", *worker]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+            if done.returncode != 0:
+                raise RuntimeError(f"{arm} failed:\n{done.stderr[-3000:]}")
+        elif ranks > 1:
+            ring_ranks(worker, ranks, out, args.timeout)
+        else:
+            subprocess.run(worker, check=True, capture_output=True, timeout=args.timeout)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -150,16 +184,18 @@ def med_of(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def summarize(runs: dict[int, list[list[dict]]]) -> list[dict]:
+def summarize(runs: dict[str, list[list[dict]]]) -> list[dict]:
     """Per N: the median over rounds of each rank's numbers, then the worst rank."""
     rows = []
     one = None
-    for ranks, rounds in sorted(runs.items()):
+    for arm, rounds in runs.items():
 
         def med(key: str, pick=max) -> tuple[float, float, float]:
             return med_of([pick(r[key] for r in result) for result in rounds])
 
+        ranks = int(arm.partition("@")[0].partition(":")[0])
         row = {
+            "arm": arm,
             "ranks": ranks,
             "oversubscribed": ranks > (os.cpu_count() or 1),
             "decode_tok_s": med("decode_tok_s", min),
@@ -192,7 +228,7 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        n = f"{r['ranks']}{' (oversubscribed)' if r['oversubscribed'] else ''}"
+        n = f"{r['arm']}{' (oversubscribed)' if r['oversubscribed'] else ''}"
         lines.append(
             f"| {n} | {cell(r['decode_tok_s'])} | {ratio(r['decode_tok_s_vs_1'])} | {cell(r['peak_mlx_gib'], 2)} | "
             f"{ratio(r['peak_mlx_gib_vs_1'])} | {cell(r['peak_rss_gib'], 2)} | {ratio(r['peak_rss_gib_vs_1'])} | "
@@ -207,8 +243,14 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path, nargs="?")
-    parser.add_argument("--ranks", default="1,2")
-    parser.add_argument("--parallel", default="expert", choices=("expert", "pipeline"))
+    parser.add_argument(
+        "--ranks",
+        default="1,2",
+        help="Arms: N[:expert|pipeline][@mlx.launch], e.g. 1,2,2:pipeline,4,2@mlx.launch (the first is the x 1).",
+    )
+    parser.add_argument(
+        "--parallel", default="expert", choices=("expert", "pipeline"), help="Mode of arms that name none."
+    )
     parser.add_argument("--page-cache", default="keep", choices=("keep", "drop-prefill", "bypass"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=8)
@@ -224,15 +266,14 @@ def main() -> None:
         parser.error("MODEL is required")
     args.worker_args = [
         str(args.model),
-        f"--parallel={args.parallel}",
         f"--page-cache={args.page_cache}",
         f"--prompt-tokens={args.prompt_tokens}",
         f"--decode-tokens={args.decode_tokens}",
     ]
     from mlx_edge0.progress import bar
 
-    arms = [int(n) for n in args.ranks.split(",")]
-    runs: dict[int, list[list[dict]]] = {n: [] for n in arms}
+    arms = args.ranks.split(",")
+    runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     with bar(args.rounds * len(arms), "parallel bench", unit="run") as progress:
         for round_ in range(args.rounds):
             for n in arms[round_ % len(arms) :] + arms[: round_ % len(arms)]:
