@@ -226,7 +226,9 @@ class StreamingRuntime:
             return self.exact
         if mode == "whole-layer":
             return self.whole_layer
-        if mode == "auto" and batch * length * self.section.num_experts_per_tok >= self.local_experts:
+        # An expert-parallel rank gets about 1/N of the pairs for 1/N of the
+        # experts: the same ratio, so the same rule.
+        if mode == "auto" and batch * length * self.section.num_experts_per_tok >= self.section.experts.num_experts:
             return self.whole_layer
         return self.decode_fallback
 
