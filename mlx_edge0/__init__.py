@@ -31,7 +31,7 @@ def _load_checked(path: str | Path, options: dict[str, Any], tokenizer: bool, gr
 
     from .checkpoint import RESIDENT_FILE, Edge0Section, read_config
     from .integrity import check_generation, load_consistently
-    from .parallel import PARALLEL_KEY, Parallel, check_same_checkpoint
+    from .parallel import PARALLEL_KEY, Parallel, check_same_checkpoint, ranks_on_host
     from .plugin import model_classes
     from .tensorfile import read_header
     from .trust import check_code
@@ -44,7 +44,7 @@ def _load_checked(path: str | Path, options: dict[str, Any], tokenizer: bool, gr
     if group is not None and group.size() > 1:
         section = Edge0Section.from_config(read_config(directory), directory / "config.json")
         check_same_checkpoint(group, directory, section)
-        model_config[PARALLEL_KEY] = Parallel(group, options.parallel)
+        model_config[PARALLEL_KEY] = Parallel(group, options.parallel, ranks_on_host(group))
 
     def attempt() -> tuple[Any, Any]:
         check_code(directory)

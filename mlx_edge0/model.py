@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 from .checkpoint import CheckpointError, Edge0Section
 from .lora import attach, consumer_k, has_adapters, read_adapters
 from .options import Options
-from .parallel import ExpertShard, Parallel, check_same_checkpoint, pipeline_stage
+from .parallel import ExpertShard, Parallel, check_same_checkpoint, pipeline_stage, ranks_on_host
 from .runtime import StreamingRuntime
 from .streaming import StreamingMoE
 
@@ -80,6 +80,7 @@ class Edge0Model:
             args.options,
             layers=stock_moe if self.edge0_stage else None,
             shard=shard,
+            memory_sharers=args.parallel.ranks_on_host if args.parallel else 1,
         )
         for i in stock_moe:
             layers[i - first].mlp = self.streaming_block.from_stock(
@@ -119,6 +120,7 @@ class Edge0Model:
             self.edge0_section,
             self.edge0_options,
             shard=ExpertShard(group, self.edge0_section.experts.num_experts),
+            memory_sharers=ranks_on_host(group),
         )
         for block in self._blocks():
             block.source = runtime

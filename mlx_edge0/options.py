@@ -167,10 +167,14 @@ class Options:
         if self.prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
 
-    def cache_bytes(self, expert_bytes: int) -> int:
-        """The hot-cache budget for a model whose experts total ``expert_bytes``."""
+    def cache_bytes(self, expert_bytes: int, sharers: int = 1) -> int:
+        """The hot-cache budget for a model whose experts total ``expert_bytes``
+        (a rank's share of them), when ``sharers`` processes of one model
+        share this machine's memory (ranks of a group on one host): "auto"
+        splits the memory term between them."""
         if self.cache_gib == "auto":
-            return int(min(AUTO_CACHE_MEMORY_SHARE * available_memory(), AUTO_CACHE_EXPERT_SHARE * expert_bytes))
+            memory = AUTO_CACHE_MEMORY_SHARE * available_memory() / max(1, sharers)
+            return int(min(memory, AUTO_CACHE_EXPERT_SHARE * expert_bytes))
         return int(self.cache_gib * GIB)
 
     def dtype(self) -> Optional[mx.Dtype]:

@@ -30,6 +30,7 @@ compares digests across the group before anything is loaded.
 from __future__ import annotations
 
 import hashlib
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -52,6 +53,7 @@ class Parallel:
 
     group: Any  # mx.distributed.Group
     mode: str = "expert"
+    ranks_on_host: int = 1  # ranks of the group on this machine, which share its memory
 
     def __post_init__(self):
         if self.mode not in PARALLEL_MODES:
@@ -155,3 +157,12 @@ def check_same_checkpoint(group: Any, directory: Path, section: Edge0Section) ->
             f"{directory}: rank {group.rank()} of {group.size()}: the checkpoint of rank(s) {ranks} differs from "
             "rank 0's (config.json or a tensor file header); every rank must load the same conversion"
         )
+
+
+def ranks_on_host(group: Any) -> int:
+    """How many ranks of ``group`` (this one included) run on this machine:
+    they share its memory, so they split what "auto" budgets take from it."""
+    mine = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:8], np.uint8)
+    mx.synchronize()
+    hosts = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu)).reshape(group.size(), -1)
+    return int(sum(np.array_equal(host, mine) for host in hosts))

@@ -52,6 +52,7 @@ class StreamingRuntime:
         *,
         layers: Optional[Sequence[int]] = None,
         shard: Optional[ExpertShard] = None,
+        memory_sharers: int = 1,
     ):
         """
         Args:
@@ -59,10 +60,13 @@ class StreamingRuntime:
                 stage's share): only their files are opened, only heads
                 whose owner and consumer are both among them are used.
             shard: this rank's share of the experts (expert parallel).
+            memory_sharers: processes of this model on this machine (ranks
+                of a group on one host), which split the "auto" cache budget.
         """
         self.options = options
         self.section = section
         self.shard = shard
+        self.memory_sharers = memory_sharers
         self.compute_dtype = options.dtype()
         self.telemetry = Telemetry()
         layers = tuple(section.moe_layers if layers is None else layers)
@@ -82,7 +86,9 @@ class StreamingRuntime:
         self.local_experts = g.num_experts if shard is None else len(owned)
         expert_bytes = g.bundle_bytes * self.local_experts * len(layers)
         capacity = hot_capacity(
-            options.cache_bytes(expert_bytes), SlotBuffers.row_nbytes(g, pool_dtype), self.local_experts * len(layers)
+            options.cache_bytes(expert_bytes, memory_sharers),
+            SlotBuffers.row_nbytes(g, pool_dtype),
+            self.local_experts * len(layers),
         )
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         if options.k and not section.prerouter:

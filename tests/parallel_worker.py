@@ -56,6 +56,7 @@ def run_one(run: dict, group: Optional[Any]) -> dict[str, np.ndarray]:
         "bytes_read": np.array(stats["bytes_read"]),
         "prerouted": np.array(stats["prerouted"]),
         "open_layers": np.array(sorted(model.edge0_runtime.store.layers), np.int64),
+        "memory_sharers": np.array(model.edge0_runtime.memory_sharers),
     }
 
 

@@ -43,6 +43,10 @@ def test_cache_budget_resolution():
     assert Options(cache_gib=0).cache_bytes(10 * GIB) == 0
     auto = Options().cache_bytes(4 * GIB)
     assert 0 < auto <= GIB  # at most a quarter of the experts
+    # ranks on one machine split its memory; an explicit budget is per process
+    alone, shared = Options().cache_bytes(1 << 60), Options().cache_bytes(1 << 60, sharers=2)
+    assert shared == pytest.approx(alone / 2, rel=0.05)
+    assert Options(cache_gib=0.5).cache_bytes(10 * GIB, sharers=2) == GIB // 2
     assert Options(compute_dtype="auto").dtype() == (mx.float32 if mx.default_device() == mx.cpu else None)
     assert Options(compute_dtype="native").dtype() is None
 

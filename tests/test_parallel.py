@@ -155,6 +155,7 @@ def test_expert_parallel_equals_one_process_and_each_rank_reads_its_own_experts(
         read = experts_read(got)
         assert read and all(e % RANKS == rank for _, e in read), f"rank {rank} read another rank's expert"
         assert got["bytes_read"] < alone["bytes_read"]
+    assert all(int(got["memory_sharers"]) == RANKS for got in ranks.values())  # one host: "auto" splits
     # between them the ranks read every expert one process reads
     assert experts_read(ranks[0]) | experts_read(ranks[1]) == experts_read(alone)
 
