@@ -36,6 +36,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import mlx.core as mx
 from mlx_lm import server as stock
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -229,6 +230,13 @@ def serve(spec: ServingSpec, server_args: list[str]) -> int:
 
     from .checkpoint import read_config, text_config
 
+    if mx.distributed.init().size() > 1:
+        print(
+            "edge0 serve: runs one process and restarts it alone, which a group of ranks cannot survive; "
+            "under mlx.launch serve with mlx_lm.server --model CKPT --trust-remote-code (README, 'More than one Mac')",
+            file=sys.stderr,
+        )
+        return 2
     cli_args = stock_server_args(["--host", spec.host, "--port", str(spec.port), *server_args])
     problem = refused_flags(cli_args, spec)
     if problem:

@@ -83,12 +83,12 @@ class StreamingRuntime:
         g = section.experts
         pool_dtype = self.pool_dtype = pool_scales_dtype(g, self.compute_dtype)
         k = section.num_experts_per_tok
-        self.local_experts = g.num_experts if shard is None else len(owned)
-        expert_bytes = g.bundle_bytes * self.local_experts * len(layers)
+        self.experts_per_layer = g.num_experts if shard is None else len(owned)
+        expert_bytes = g.bundle_bytes * self.experts_per_layer * len(layers)
         capacity = hot_capacity(
             options.cache_bytes(expert_bytes, memory_sharers),
             SlotBuffers.row_nbytes(g, pool_dtype),
-            self.local_experts * len(layers),
+            self.experts_per_layer * len(layers),
         )
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         if options.k and not section.prerouter:
