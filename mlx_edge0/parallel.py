@@ -103,12 +103,12 @@ class ExpertShard:
         x_pairs = x.reshape(-1, x.shape[-1])[mx.array(pairs.tokens.astype(np.int32))]
         return x_pairs, mx.array(pairs.experts.astype(np.uint32)[:, None])
 
-    def combine(self, y_pairs: Optional[mx.array], pairs: Pairs, dtype: mx.Dtype, width: int) -> mx.array:
+    def combine(self, y_pairs: mx.array, pairs: Pairs, dtype: mx.Dtype, width: int) -> mx.array:
         """Every rank's pair outputs ``[P, 1, D]`` in their slots of ``[B, L, K, D]``
-        (None: this rank has no pair in this call)."""
+        (a rank with no pair in this call still joins the ``all_sum``)."""
         B, L, K = pairs.shape
         full = mx.zeros((B * L * K, width), dtype)
-        if y_pairs is not None and pairs.count:
+        if pairs.count:
             full[mx.array(pairs.positions.astype(np.int32))] = y_pairs[:, 0].astype(dtype)
         return mx.distributed.all_sum(full, group=self.group).reshape(B, L, K, width)
 
