@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from mlx_edge0.bench.commands import bench
-from mlx_edge0.bench.measure import RunSpec
+from mlx_edge0.bench.measure import RunSpec, forced_tokens
 from mlx_edge0.bench.runner import BenchOptions, run_bench, run_child
 from mlx_edge0.bench.synth import SynthOptions, plan_shards, synth_checkpoint
 from mlx_edge0.bench.tables import markdown_table
@@ -164,6 +164,10 @@ def test_runner_child_measures_stock_arm(small_ckpts):
     assert r["peak_memory"] > 0 and r["active_memory_after_load"] > 0
     assert r["peak_rss"] > r["active_memory_after_load"]
     assert r["logits_finite"] and len(r["tokens"]) == 1 + 2 + 4
+    # teacher-forced: it was fed the peer arm's fixed sequence, not its own picks
+    vocab = json.loads((spec.path / "config.json").read_text())["vocab_size"]
+    assert r["teacher_forced"] and r["fed_tokens"] == forced_tokens(vocab, 2 + 4, spec.seed)
+    assert r["fed_tokens"] != r["tokens"][:-1]
 
 
 def test_bypass_arm_decodes_the_same_tokens_as_the_cached_arm(converted):

@@ -339,6 +339,8 @@ def test_agreement_names_exact_as_reference_when_stock_was_oom_killed():
             },
         }
     }
-    assert agreement_note(summary).startswith("Greedy tokens equal edge0-exact's in every round: edge0-hot")
+    assert agreement_note(summary).startswith(
+        "Next-token picks (argmax on the same fed tokens) equal edge0-exact's in every round: edge0-hot"
+    )
     summary["arms"]["stock/cold"]["ok"] = 3
-    assert agreement_note(summary).startswith("Greedy tokens equal stock's")
+    assert agreement_note(summary).startswith("Next-token picks (argmax on the same fed tokens) equal stock's")

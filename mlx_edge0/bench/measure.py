@@ -235,7 +235,13 @@ def _profile_top(profile: cProfile.Profile, tokens: int) -> list[dict]:
 
 
 def measure(spec: RunSpec) -> dict:
-    """Load, cold request, warm-up, timed decode, optional warm request."""
+    """Load, cold request, warm-up, timed decode, optional warm request.
+
+    The decode is teacher-forced, as the peer arm's is: each step feeds the
+    next token of :func:`forced_tokens`, so every arm routes the same token
+    sequence whatever it predicts (random weights loop under greedy decoding,
+    onto the same experts); ``tokens`` are each step's argmax, comparable
+    position by position across arms."""
     if is_peer_arm(spec.arm):
         return measure_llamacpp(spec)
     import mlx.core as mx
@@ -249,6 +255,7 @@ def measure(spec: RunSpec) -> dict:
         "ok": True,
         "available_memory_at_start": available_memory(),
         "loadavg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "teacher_forced": True,
     }
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -280,9 +287,11 @@ def measure(spec: RunSpec) -> dict:
     )
     record["prefill_counters"] = _counters(model)
     tokens = [y.item()]
+    fed = forced_tokens(vocab, WARMUP_STEPS + spec.decode_tokens, spec.seed)
+    feed = iter(fed)
 
     def step(y: mx.array) -> mx.array:
-        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        y = mx.argmax(model(mx.array([[next(feed)]], mx.int32), cache=cache)[:, -1, :], axis=-1)
         mx.eval(y)
         tokens.append(y.item())
         return y
@@ -317,7 +326,7 @@ def measure(spec: RunSpec) -> dict:
     record.update(
         decode_s=decode_s, decode_tok_s=spec.decode_tokens / decode_s,
         decode_s_per_token=decode_s / spec.decode_tokens, decode_step_s=steps,
-        evicted_between_steps=bool(evict), profiled=bool(profile),
+        evicted_between_steps=bool(evict), profiled=bool(profile), fed_tokens=fed,
     )  # fmt: skip
     if profile:
         record["profile_top"] = _profile_top(profile, spec.decode_tokens)
@@ -346,9 +355,9 @@ def measure(spec: RunSpec) -> dict:
 
 def measure_llamacpp(spec: RunSpec) -> dict:
     """The peer arm: llama.cpp on the GGUF at ``spec.path``, the same prompt as
-    the other arms, then a teacher-forced decode of :func:`forced_tokens`
-    (``tokens`` are llama.cpp's greedy picks at each position, not what it was
-    fed; not compared with the other arms' greedy tokens). There is no MLX
+    the other arms, then a teacher-forced decode of :func:`forced_tokens`, as
+    every arm's (``tokens`` are llama.cpp's argmax at each position, not what
+    it was fed). There is no MLX
     memory: ``peak_rss`` counts llama.cpp's buffers and the mmap'd weights it touched."""
     import numpy as np
 

@@ -158,7 +158,8 @@ def _failures(summary: dict) -> list[str]:
 
 
 def agreement_note(summary: dict) -> str:
-    """Which arms decoded the reference arm's greedy tokens (stock, else exact)."""
+    """Which arms predicted the reference arm's tokens (stock, else exact): the
+    argmax at every position of the same teacher-forced sequence."""
     same, differ = [], []
     for e in summary.get("arms", {}).values():
         t = e.get("tokens_equal_reference")
@@ -174,7 +175,9 @@ def agreement_note(summary: dict) -> str:
     reference = "stock's" if stock_ran else "edge0-exact's"
     parts = []
     if same:
-        parts.append(f"Greedy tokens equal {reference} in every round: {', '.join(same)}.")
+        parts.append(
+            f"Next-token picks (argmax on the same fed tokens) equal {reference} in every round: {', '.join(same)}."
+        )
     if differ:
         parts.append(
             f"Differ from {reference}: {', '.join(differ)} (prerouted arms with warm-started "
