@@ -37,16 +37,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlx_edge0.bench.measure import device_read_bytes
+
 WARMUP = 2
 GIB, MB = 1 << 30, 1e6
-
-
-def device_read_bytes() -> int:
-    """Bytes this process had the kernel fetch from storage (Linux)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
 
 
 def rank_main(args: argparse.Namespace) -> None:

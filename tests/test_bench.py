@@ -178,6 +178,9 @@ def test_bypass_arm_decodes_the_same_tokens_as_the_cached_arm(converted):
     assert all(r["ok"] for r in runs.values()), [r.get("stderr_tail") for r in runs.values()]
     assert runs["edge0-exact"]["tokens"] == runs["edge0-exact+bypass"]["tokens"]
     assert runs["edge0-exact+bypass"]["counters_per_token"]["bytes_read"] > 0
+    # every expert read goes to the device (O_DIRECT), so the kernel's count covers the store's
+    bypass = runs["edge0-exact+bypass"]
+    assert bypass["device_bytes_per_token"] >= bypass["counters_per_token"]["bytes_read"]
 
 
 def test_window_arm_decodes_the_prerouter_arms_tokens_in_fewer_staged_rows():
@@ -191,6 +194,9 @@ def test_window_arm_decodes_the_prerouter_arms_tokens_in_fewer_staged_rows():
     assert all(r["ok"] for r in runs.values()), [r.get("stderr_tail") for r in runs.values()]
     pre, window = runs["edge0-prerouter@0"], runs["edge0-prerouter-window@0"]
     assert pre["tokens"] == window["tokens"]
+    # the same routing, recorded per decoded token (prerouted layers included)
+    assert pre["locality"] == window["locality"] and pre["locality"]["tokens"] == 6
+    assert 4 <= pre["locality"]["mean_distinct"] <= 16 and 0 <= pre["locality"]["mean_reuse"] <= 1
     assert window["counters_per_token"]["prerouted"] == pre["counters_per_token"]["prerouted"] > 0
     assert window["resident_bytes"]["staged"] * 5 == pre["resident_bytes"]["staged"] * 4
 

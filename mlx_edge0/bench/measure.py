@@ -211,6 +211,28 @@ def _reset_counters(model) -> None:
         model.reset_stats()
 
 
+def device_read_bytes() -> int:
+    """Bytes the kernel fetched from storage for this process so far (Linux
+    ``/proc/self/io``; page-cache hits cost none, read-ahead counts), or 0."""
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in lines if line.startswith("read_bytes:")), 0)
+
+
+def _routing_locality(layers: list[int], steps: list[list[tuple[int, list[int]]]], num_experts: int, k: int) -> dict:
+    """Distinct experts per layer and token-to-token reuse of the decoded
+    tokens (each step's recorded ``(layer, ids)`` calls, batch 1)."""
+    from .locality import LocalitySummary, RoutingTrace
+
+    tokens = []
+    for calls in steps:
+        routed = dict(calls)  # a prerouted step records its consumers first: order by layer
+        tokens.append(tuple(routed.get(layer, ()) for layer in layers))
+    return LocalitySummary.of(RoutingTrace(tuple(layers), num_experts, k, tuple(tokens))).as_dict()
+
+
 def _peak_rss_bytes() -> int:
     import resource
 
@@ -305,7 +327,12 @@ def measure(spec: RunSpec) -> dict:
     _reset_counters(model)  # also resets MLX's peak: the decode peak is decode's alone
     mx.reset_peak_memory()
     steps, per_step, before = [], [], _counters(model)
+    telemetry = model.edge0_runtime.telemetry if hasattr(model, "edge0_runtime") else None
+    routed_steps: list[list[tuple[int, list[int]]]] = []
+    device_before = device_read_bytes()
     for _ in range(spec.decode_tokens):
+        if telemetry is not None:
+            telemetry.routing_trace = []
         if evict:
             drop_page_cache(evict)
         if profile:
@@ -315,12 +342,21 @@ def measure(spec: RunSpec) -> dict:
         steps.append(time.perf_counter() - t0)
         if profile:
             profile.disable()
+        if telemetry is not None:
+            routed_steps.append(telemetry.routing_trace)
+            telemetry.routing_trace = None
         after = _counters(model)
         if after is not None:
             per_step.append({k: after.get(k, 0) - before.get(k, 0) for k in STEP_COUNTERS})
         before = after
     record["decode_peak_memory"] = mx.get_peak_memory()
+    record["device_bytes_per_token"] = (device_read_bytes() - device_before) / spec.decode_tokens
     decode_counters = _counters(model)
+    if telemetry is not None:
+        section = model.edge0_section
+        record["locality"] = _routing_locality(
+            list(section.moe_layers), routed_steps, section.experts.num_experts, section.num_experts_per_tok
+        )
 
     decode_s = sum(steps)
     record.update(
@@ -401,6 +437,7 @@ def measure_llamacpp(spec: RunSpec) -> dict:
         tokens.append(int(model.forward([token]).argmax()))
     evict = checkpoint_files(spec.path) if spec.evict_between_steps else []
     steps = []
+    device_before = device_read_bytes()
     for token in fed[WARMUP_STEPS:]:
         if evict:
             drop_page_cache(evict)
@@ -408,6 +445,7 @@ def measure_llamacpp(spec: RunSpec) -> dict:
         tokens.append(int(model.forward([token]).argmax()))
         steps.append(time.perf_counter() - t0)
     decode_s = sum(steps)
+    record["device_bytes_per_token"] = (device_read_bytes() - device_before) / spec.decode_tokens
     record.update(
         decode_s=decode_s, decode_tok_s=spec.decode_tokens / decode_s,
         decode_s_per_token=decode_s / spec.decode_tokens, decode_step_s=steps,

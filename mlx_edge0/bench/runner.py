@@ -253,6 +253,11 @@ def run_metrics(r: dict) -> dict:
             m["hot_hit_rate"] = hits / (hits + misses)
         if staged:
             m["staged_hit_rate"] = (staged - c.get("staged_read", 0)) / staged
+    if "device_bytes_per_token" in r:
+        m["device_bytes_per_token"] = r["device_bytes_per_token"]
+    if r.get("locality"):
+        m["distinct_experts_per_layer"] = r["locality"]["mean_distinct"]
+        m["reuse"] = r["locality"]["mean_reuse"]
     if r.get("decode_s_per_token"):
         m["step_ms"] = r["decode_s_per_token"] * 1e3
         m["step_other_ms"] = m["step_ms"] - m.get("exposed_wait_ms_per_step", 0.0)

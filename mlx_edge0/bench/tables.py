@@ -88,11 +88,15 @@ def _io_cells(e: dict) -> list[str]:
         cell(stat(e, "bytes_per_token", "metrics"), MB, 1, spread=False),
         cell(stat(e, "hot_hit_rate", "metrics"), spread=False),
         cell(stat(e, "staged_hit_rate", "metrics"), spread=False),
+        cell(stat(e, "device_bytes_per_token", "metrics"), MB, 1, spread=False),
+        cell(stat(e, "distinct_experts_per_layer", "metrics"), digits=1, spread=False),
+        cell(stat(e, "reuse", "metrics"), spread=False),
     ]
 
 
 IO_HEADERS = ["exposed wait ms/step", "loads/token", "MiB/load", "MB/token", "hot hit rate",
-              "staged slots filled from memory"]  # fmt: skip
+              "staged slots filled from memory", "device MB/token", "experts/layer touched",
+              "token-to-token reuse"]  # fmt: skip
 
 
 def speed_table(summary: dict, reference: Optional[dict] = None) -> Table:
