@@ -107,6 +107,31 @@ class HotCache:
     def nbytes(self) -> int:
         return self.buffers.nbytes
 
+    def _make_room(self, keys: list[Key]) -> dict[Key, int]:
+        """Rows for the keys of ``keys`` that are not resident (free rows, then
+        victims); the victims are forgotten at once."""
+        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy)
+        for k in evicted:
+            del self.row_of[k]
+            self.policy.forget(k)
+        self.free = self.free[len(placed) - len(evicted) :]
+        return placed
+
+    def admit(self, layer: int, used: Sequence[int], read: Sequence[tuple[int, int]], source: SlotBuffers) -> None:
+        """A staging fill of ``layer`` used experts ``used`` and read ``read``
+        ((slot, expert) pairs of ``source``) from disk: count the use, and keep
+        copies of what was read, so a later fill that wants them copies instead
+        of reading. A prerouted layer's experts then compete for the budget as
+        every other layer's do (its fills bypass :meth:`fetch`)."""
+        slot_of = {int(e): s for s, e in read}
+        keys = [(layer, e) for e in slot_of if (layer, e) not in self.row_of]
+        if keys and len(keys) <= self.capacity:
+            placed = self._make_room(keys)
+            for (_, e), row in placed.items():
+                self.buffers.copy_row(source, slot_of[e], row)
+            self.row_of.update(placed)
+        self.policy.touch([(layer, int(e)) for e in used])
+
     def row(self, layer: int, expert: int) -> Optional[int]:
         return self.row_of.get((layer, expert))
 
@@ -117,14 +142,9 @@ class HotCache:
             return None
         keys = [(layer, int(e)) for e in ids]
         stats = self.store.telemetry.current
-        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy)
+        placed = self._make_room(keys)
         stats.hot_hits += len(keys) - len(placed)
         stats.hot_misses += len(placed)
-        for k in evicted:
-            del self.row_of[k]
-            self.policy.forget(k)
-        used_free = len(placed) - len(evicted)
-        self.free = self.free[used_free:]
         if placed:
             misses = list(placed)
             try:

@@ -9,7 +9,9 @@ consumer's *own* routing math on the predicted logits, one host sync per step
 (the union over the batch). The consumer layer later waits only for its own
 reads and computes with those indices and weights: the staged set is the
 routed set, so nothing is dropped and nothing falls back (telemetry counts
-``prerouted`` layer calls).
+``prerouted`` layer calls). Fills copy what the hot cache holds and read the
+rest; once those reads land the cache keeps copies (``HotCache.admit``), so
+the prerouted layers' experts are cached like every other layer's.
 
 Per-sequence state (each owner's last one-hot, its prediction, and whether
 that prediction is valid) lives in one extra ``ArraysCache`` appended to the
@@ -270,6 +272,8 @@ class Prerouting:
         except BaseException:
             buffer.invalidate()
             raise
+        if self.hot is not None:  # the cache learns the prerouted layers' experts too
+            self.hot.admit(layer, plan.ids, plan.fill.read, buffer.rows)
         self.telemetry.current.prerouted += 1
         return buffer.rows.compute(x, mx.take(plan.fill.slot_table, inds), self.compute_dtype)
 

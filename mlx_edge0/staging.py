@@ -68,6 +68,7 @@ class Fill:
 
     slot_table: mx.array  # [num_experts] int32, expert id -> slot
     reads: ReadBatch
+    read: tuple[tuple[int, int], ...] = ()  # (slot, expert) filled from disk
 
 
 class StagingBuffer:
@@ -95,7 +96,8 @@ class StagingBuffer:
         synchronously); without it they are read straight into the slots in
         the background, which is what a prediction-driven fill wants (so
         those reads are read-ahead; with ``fill_hot`` they are urgent: the
-        caller waits for them next). Call on the compute thread; graphs still
+        caller waits for them next), and :attr:`Fill.read` says which slots
+        they filled, for the cache to keep copies once they land. Call on the compute thread; graphs still
         reading the buffer are evaluated first. Returns at once; wait on
         ``reads``.
         """
@@ -124,7 +126,7 @@ class StagingBuffer:
         table = np.zeros(self.store.geometry.num_experts, np.int32)
         for e, s in plan.slot_of.items():
             table[e] = s
-        return Fill(mx.array(table), reads)
+        return Fill(mx.array(table), reads, tuple(to_read))
 
     def grow(self, capacity: int) -> None:
         """Hold at least ``capacity`` experts (a batch's routed union can exceed

@@ -142,7 +142,7 @@ class FixedHead:
         return mx.broadcast_to(self.logits, (*h.shape[:2], self.logits.shape[0]))
 
 
-def _prerouting(store, window=0):
+def _prerouting(store, window=0, hot=None):
     consumer_of = {o: o + 1 for o in LAYERS[:-1]}
     rng = np.random.default_rng(0)
     heads = {o: FixedHead(mx.array(rng.standard_normal(store.geometry.num_experts).astype(np.float32)))
@@ -150,7 +150,7 @@ def _prerouting(store, window=0):
     buffers = {} if window else {c: StagingBuffer(store, c, K, None) for c in consumer_of.values()}
     windows = [StagingBuffer(store, -1, K, None) for _ in range(window)]
     pre = Prerouting(
-        heads, consumer_of, {layer: route for layer in LAYERS}, buffers=buffers, window=windows, hot=None,
+        heads, consumer_of, {layer: route for layer in LAYERS}, buffers=buffers, window=windows, hot=hot,
         telemetry=store.telemetry, compute_dtype=None, num_experts=store.geometry.num_experts,
     )  # fmt: skip
     return pre, heads
@@ -188,6 +188,33 @@ def test_prerouted_step_computes_the_predicted_routing_from_its_fills(window):
     assert store.telemetry.current.prerouted == 5 and not pre.planned
     if window:
         assert [b.layer for b in pre.window] == [4, 5, 3]
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_the_hot_cache_keeps_what_prerouted_fills_read(window):
+    """A prerouted fill reads its misses into staging slots; the cache keeps
+    copies, so the next step's fills copy them instead of reading again."""
+    store = FakeStore(LAYERS)
+    hot = HotCache(store, 5 * K, None)
+    pre, heads = _prerouting(store, window, hot)
+    x = _x(store, 1, 1)
+
+    def step() -> tuple[int, int]:
+        store.telemetry.begin_step(1)
+        pre.bind(_decode_state(pre, heads, [True]))  # the same prediction every step
+        pre.begin_forward(1, x)
+        for consumer in LAYERS[1:]:
+            plan = pre.take(consumer)
+            got = pre.experts(consumer, x, plan.inds, plan)
+            assert mx.array_equal(got, expert_glu(x, plan.inds, store.weights(consumer))).item()
+        s = store.telemetry.current
+        return s.staged_read, s.staged_copied + s.staged_kept
+
+    read, _ = step()
+    assert read == 5 * K  # every consumer's K experts from disk
+    assert len(hot.row_of) == 5 * K and {layer for layer, _ in hot.row_of} == set(LAYERS[1:])
+    read, from_memory = step()
+    assert read == 0 and from_memory == 5 * K
 
 
 def test_unconsumed_plans_are_dropped_and_their_buffers_forgotten():

@@ -314,6 +314,6 @@ def test_edge0_serve_under_mlx_launch_says_what_serves_a_group(converted):
     edge0 = Path(sys.executable).parent / "edge0"
     port = free_port_pair()
     done = launch([str(edge0), "serve", "--model", str(converted("qwen3_moe").edge0), "--port", str(port)], timeout=120)
-    # mlx.launch itself exits 0 and warns when its ranks fail
-    assert "rank 0 exited with code 2" in done.stderr and "rank 1 exited with code 2" in done.stderr
+    # mlx.launch itself exits 0 and warns when a rank fails (and stops the others)
+    assert "exited with code 2" in done.stderr
     assert "under mlx.launch serve with mlx_lm.server" in done.stderr
