@@ -4,7 +4,7 @@ Runs after ``examples/train_tiny_moe.py WORKDIR`` (which leaves the bf16 teacher
 ``WORKDIR/teacher`` and its int4 edge0 checkpoint with warm-started heads in
 ``WORKDIR/edge0``): the three phases on ``WORKDIR/edge0`` with the settings
 QUALITY.md reports (``edge0 train heads|sft|distill``), then ``edge0 eval``.
-Resumes if interrupted. About 20 CPU-minutes.
+Resumes if interrupted. About 30–45 CPU-minutes.
 
     python examples/train_recovery.py WORKDIR [--install-default]
 
@@ -41,22 +41,24 @@ def main(workdir: Path, install: bool) -> None:
         PhaseOptions(checkpoint, runs / "heads", steps=200, learning_rate=3e-3, batch_size=8, checkpoint_every=50)
     )
     train_sft(
-        PhaseOptions(checkpoint, runs / "sft", steps=200, learning_rate=2e-3, batch_size=4, checkpoint_every=50),
+        PhaseOptions(checkpoint, runs / "sft", steps=400, learning_rate=2e-3, batch_size=4, checkpoint_every=50),
         teacher,
-        GenerationOptions(sequences=256),
+        GenerationOptions(sequences=512),
+        rank=32,
+        alpha=64,
     )
     train_distill(
         PhaseOptions(
             checkpoint,
             runs / "distill",
-            steps=100,
+            steps=150,
             learning_rate=2e-3,
             batch_size=4,
             checkpoint_every=50,
             warmup_steps=5,
         ),
         teacher,
-        GenerationOptions(sequences=26),
+        GenerationOptions(sequences=64),
     )
     result = evaluate(
         checkpoint,

@@ -12,7 +12,6 @@ import ast
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,7 +36,7 @@ CLI_MODULES = {
     "mlx_edge0.train.commands",
     "mlx_edge0.train.phase_commands",
 }
-IMPORT_TIMEOUT_S = 120  # per module; all of them together take well under this on 2 cores
+IMPORT_TIMEOUT_S = 120  # per module: an import that hangs fails, named
 
 
 def package_modules() -> dict[str, tuple[Path, bool]]:
@@ -150,9 +149,7 @@ def test_every_module_imports_alone():
         )
         return name, r.returncode, (r.stderr.strip().splitlines() or [""])[-1]
 
-    start = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         results = list(pool.map(import_alone, names))
     failed = [f"{name}: {err}" for name, rc, err in results if rc != 0]
     assert not failed, "\n".join(failed)
-    assert time.monotonic() - start < IMPORT_TIMEOUT_S

@@ -246,9 +246,10 @@ def test_distill_needs_phase_2_adapters(converted, tmp_path):
 
 
 def check_quality_ordering(checkpoint, teacher) -> dict:
-    """What QUALITY.md reports, on a few held-out windows: the teacher is best; int4 alone costs
-    about nothing (within 2% either way on few windows); warm-started heads cost the most,
-    trained heads less, the recovery LoRA less again."""
+    """What QUALITY.md reports, on a few held-out windows: int4 alone costs about nothing
+    (within 2% either way on few windows); warm-started heads cost the most, trained heads
+    less, the recovery LoRA less again, back to within 2% of the teacher (on few windows it
+    may land below it)."""
     from mlx_edge0.evaluate import EvalOptions, evaluate
 
     result = evaluate(
@@ -258,8 +259,10 @@ def check_quality_ordering(checkpoint, teacher) -> dict:
     teacher_ppl = ppl.pop("fp teacher")
     exact = ppl.pop("int4, exact routing")
     assert abs(exact / teacher_ppl - 1) < 0.02
-    assert all(teacher_ppl <= v for v in ppl.values())
-    assert ppl["int4 + warm-start heads"] > ppl["int4 + checkpoint heads"] > ppl["int4 + heads + checkpoint LoRA"]
+    lora = ppl.pop("int4 + heads + checkpoint LoRA")
+    assert all(teacher_ppl <= v for v in ppl.values())  # heads without the LoRA cost something
+    assert ppl["int4 + warm-start heads"] > ppl["int4 + checkpoint heads"] > lora
+    assert abs(lora / teacher_ppl - 1) < 0.02
     recall = result["head_recall"]
     assert recall["checkpoint"]["recall"] > recall["warm_start"]["recall"]
     return result
