@@ -145,11 +145,7 @@ def check_same_checkpoint(group: Any, directory: Path, section: Edge0Section) ->
     Raises:
         ValueError: naming the ranks whose checkpoint differs from rank 0's.
     """
-    mine = np.frombuffer(checkpoint_digest(directory, section), np.uint8)
-    # Collectives of different streams must not interleave: let work still in
-    # flight (e.g. a generation step mlx-lm evaluates ahead) end first.
-    mx.synchronize()
-    everyone = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu)).reshape(group.size(), -1)
+    everyone = gather_bytes(group, checkpoint_digest(directory, section))
     differ = [r for r in range(group.size()) if not np.array_equal(everyone[r], everyone[0])]
     if differ:
         ranks = ", ".join(str(r) for r in differ)
@@ -162,7 +158,14 @@ def check_same_checkpoint(group: Any, directory: Path, section: Edge0Section) ->
 def ranks_on_host(group: Any) -> int:
     """How many ranks of ``group`` (this one included) run on this machine:
     they share its memory, so they split what "auto" budgets take from it."""
-    mine = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:8], np.uint8)
+    hosts = gather_bytes(group, hashlib.sha256(socket.gethostname().encode()).digest()[:8])
+    return int(sum(np.array_equal(host, hosts[group.rank()]) for host in hosts))
+
+
+def gather_bytes(group: Any, data: bytes) -> np.ndarray:
+    """Every rank's ``data`` (the same length on every rank), one row per rank."""
+    # Collectives of different streams must not interleave: let work still in
+    # flight (e.g. a generation step mlx-lm evaluates ahead) end first.
     mx.synchronize()
-    hosts = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu)).reshape(group.size(), -1)
-    return int(sum(np.array_equal(host, mine) for host in hosts))
+    mine = mx.array(np.frombuffer(data, np.uint8))
+    return np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu)).reshape(group.size(), -1)
