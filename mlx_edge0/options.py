@@ -30,6 +30,11 @@ MIN_STAGED_WINDOW = 3
 # "auto" hot cache: this share of available memory, at most this share of the experts.
 AUTO_CACHE_MEMORY_SHARE = 0.10
 AUTO_CACHE_EXPERT_SHARE = 0.25
+# With page_cache="bypass" the hot cache is the only copy of an expert in memory,
+# so "auto" takes the room the page cache would have had: half of what is
+# available (the rest: resident weights, loaded after the budget is set, staging,
+# the prompt's whole-layer buffer, KV), up to every expert.
+AUTO_BYPASS_MEMORY_SHARE = 0.50
 
 
 def parse_cache_gib(value: str) -> Union[float, str]:
@@ -70,7 +75,10 @@ class Options:
         io_threads: threads that read expert bytes with ``preadv``.
         cache_gib: hot-cache budget in GiB, or "auto" (10% of available
             memory, at most a quarter of the experts: room is left for the
-            page cache and KV). 0 disables the hot cache. Either way the
+            page cache and KV; with ``page_cache="bypass"``, which keeps no
+            page cache, half of available memory, up to every expert).
+            Available memory is capped by the process's cgroup limit
+            (``memory.available_memory``). 0 disables the hot cache. Either way the
             cache never holds more than all the experts, so a budget above
             their size allocates their size.
         hot_policy: "lfu" (frequency with aging) or "lru".
@@ -173,8 +181,10 @@ class Options:
         share this machine's memory (ranks of a group on one host): "auto"
         splits the memory term between them."""
         if self.cache_gib == "auto":
-            memory = AUTO_CACHE_MEMORY_SHARE * available_memory() / max(1, sharers)
-            return int(min(memory, AUTO_CACHE_EXPERT_SHARE * expert_bytes))
+            bypass = self.page_cache == "bypass"
+            share = AUTO_BYPASS_MEMORY_SHARE if bypass else AUTO_CACHE_MEMORY_SHARE
+            memory = share * available_memory() / max(1, sharers)
+            return int(min(memory, (1.0 if bypass else AUTO_CACHE_EXPERT_SHARE) * expert_bytes))
         return int(self.cache_gib * GIB)
 
     def dtype(self) -> Optional[mx.Dtype]:

@@ -201,6 +201,25 @@ def test_window_arm_decodes_the_prerouter_arms_tokens_in_fewer_staged_rows():
     assert window["resident_bytes"]["staged"] * 5 == pre["resident_bytes"]["staged"] * 4
 
 
+def test_hot_arm_replays_its_decode_trace_against_beladys_min():
+    """A hot arm records its decode trace replayed at its own rows under LFU,
+    LRU and MIN: with every expert's row (the default model: 6 x 16), MIN
+    hits every routing but each expert's first, i.e. the trace's ceiling."""
+    from mlx_edge0.bench.runner import run_metrics
+    from mlx_edge0.default_model import default_checkpoint
+
+    r = run_child(RunSpec("edge0-hot@1", default_checkpoint(), 8, 6, "float32", 0), timeout_s=120)
+    assert r["ok"], r.get("stderr_tail")
+    replay = r["eviction_replay"]
+    assert replay["capacity"] == 96 and replay["routings_per_token"] == 6 * 4
+    assert replay["hit_rate"]["min"] == replay["hit_rate"]["lfu"] == replay["ceiling"]
+    distinct = r["locality"]["mean_distinct"] * 6  # experts first used in the trace
+    assert replay["ceiling"] == pytest.approx(1 - distinct / (6 * 24))
+    m = run_metrics(r)
+    assert m["min_hit_rate"] == replay["hit_rate"]["min"]
+    assert m["hit_rate"] == pytest.approx(1 - r["counters_per_token"]["expert_loads"] / 24)
+
+
 def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):
     path = small_ckpts["qwen3-30b-a3b"]
     opts = BenchOptions(

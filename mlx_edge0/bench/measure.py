@@ -221,16 +221,28 @@ def device_read_bytes() -> int:
     return next((int(line.split()[1]) for line in lines if line.startswith("read_bytes:")), 0)
 
 
-def _routing_locality(layers: list[int], steps: list[list[tuple[int, list[int]]]], num_experts: int, k: int) -> dict:
-    """Distinct experts per layer and token-to-token reuse of the decoded
-    tokens (each step's recorded ``(layer, ids)`` calls, batch 1)."""
-    from .locality import LocalitySummary, RoutingTrace
+def _decode_trace(layers: list[int], steps: list[list[tuple[int, list[int]]]], num_experts: int, k: int):
+    """The decoded tokens' routing (each step's recorded ``(layer, ids)`` calls, batch 1)."""
+    from .locality import RoutingTrace
 
     tokens = []
     for calls in steps:
         routed = dict(calls)  # a prerouted step records its consumers first: order by layer
         tokens.append(tuple(routed.get(layer, ()) for layer in layers))
-    return LocalitySummary.of(RoutingTrace(tuple(layers), num_experts, k, tuple(tokens))).as_dict()
+    return RoutingTrace(tuple(layers), num_experts, k, tuple(tokens))
+
+
+def _eviction_replay(trace, capacity: int) -> dict:
+    """The decode trace replayed through a cache of the run's hot capacity
+    (rows), from empty, under the runtime's policies and Belady's MIN: how far
+    the policy is from the optimum on exactly this routing and budget."""
+    from .eviction import ceiling, compare
+
+    results = compare(trace, [capacity], ("lfu", "lru", "min"))
+    out = {"capacity": capacity, "routings_per_token": trace.routings / max(1, len(trace.tokens))}
+    if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
+        out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace))
+    return out
 
 
 def _peak_rss_bytes() -> int:
@@ -353,10 +365,16 @@ def measure(spec: RunSpec) -> dict:
     record["device_bytes_per_token"] = (device_read_bytes() - device_before) / spec.decode_tokens
     decode_counters = _counters(model)
     if telemetry is not None:
+        from .locality import LocalitySummary
+
         section = model.edge0_section
-        record["locality"] = _routing_locality(
+        trace = _decode_trace(
             list(section.moe_layers), routed_steps, section.experts.num_experts, section.num_experts_per_tok
         )
+        record["locality"] = LocalitySummary.of(trace).as_dict()
+        hot = model.edge0_runtime.hot
+        if hot is not None:
+            record["eviction_replay"] = _eviction_replay(trace, hot.capacity)
 
     decode_s = sum(steps)
     record.update(

@@ -255,6 +255,12 @@ def run_metrics(r: dict) -> dict:
             m["staged_hit_rate"] = (staged - c.get("staged_read", 0)) / staged
     if "device_bytes_per_token" in r:
         m["device_bytes_per_token"] = r["device_bytes_per_token"]
+    replay = r.get("eviction_replay", {})
+    if c and replay.get("routings_per_token"):  # every tier's loads against every routing: reads avoided
+        m["hit_rate"] = 1 - c.get("expert_loads", 0) / replay["routings_per_token"]
+    if "hit_rate" in replay:
+        m["min_hit_rate"] = replay["hit_rate"]["min"]
+        m["lfu_replay_hit_rate"] = replay["hit_rate"]["lfu"]
     if r.get("locality"):
         m["distinct_experts_per_layer"] = r["locality"]["mean_distinct"]
         m["reuse"] = r["locality"]["mean_reuse"]
