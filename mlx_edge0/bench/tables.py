@@ -89,6 +89,7 @@ def _io_cells(e: dict) -> list[str]:
         cell(stat(e, "hot_hit_rate", "metrics"), spread=False),
         cell(stat(e, "staged_hit_rate", "metrics"), spread=False),
         cell(stat(e, "hit_rate", "metrics"), spread=False),
+        cell(stat(e, "lfu_replay_hit_rate", "metrics"), spread=False),
         cell(stat(e, "min_hit_rate", "metrics"), spread=False),
         cell(stat(e, "device_bytes_per_token", "metrics"), MB, 1, spread=False),
         cell(stat(e, "distinct_experts_per_layer", "metrics"), digits=1, spread=False),
@@ -98,7 +99,7 @@ def _io_cells(e: dict) -> list[str]:
 
 IO_HEADERS = ["exposed wait ms/step", "loads/token", "MiB/load", "MB/token", "hot hit rate",
               "staged slots filled from memory", "routings served from memory",
-              "Belady's MIN, same trace and rows", "device MB/token", "experts/layer touched",
+              "replay from empty: LFU", "replay from empty: Belady's MIN", "device MB/token", "experts/layer touched",
               "token-to-token reuse"]  # fmt: skip
 
 
