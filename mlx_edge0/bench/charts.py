@@ -1,7 +1,8 @@
 """Small inline SVG charts for the benchmark report (no plotting dependency).
 
-Three shapes cover the report: grouped horizontal bars with min–max whiskers,
-stacked horizontal bars, and line charts with whiskers. Every function returns
+Four shapes cover the reports: grouped horizontal bars with min–max whiskers,
+stacked horizontal bars, line charts with whiskers, and a map of which series
+wins in each cell of a grid (the sweep's). Every function returns
 one self-contained ``<svg>`` string; labels are escaped here. Charts are drawn
 ``CHART_W`` wide, the report page's text width (the page scales them down on a
 narrower window), and the value labels of one chart share one precision.
@@ -12,12 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from html import escape
-from typing import Optional
+from typing import Callable, Optional, Union
 
 PALETTE = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979")
 FONT = 'font-family="system-ui, sans-serif" font-size="12"'
 CHART_W, ROW_H, PAD, GROUP_GAP, CHAR_W, LEGEND_ROW = 1180, 18, 12, 6, 6.8, 16
 LINE_H = 300  # plot height of a line chart
+SMALL_FONT = 'font-family="system-ui, sans-serif" font-size="10"'
+MAP_LINE, MAP_SMALL_LINE = 16, 13  # text line heights in a map cell
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,18 @@ class Point:
     y: float
     low: Optional[float] = None
     high: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of :func:`grid_map`: its column and row, the series that won
+    it (None: none did), and each series' value, or a word where it has none
+    (e.g. "OOM")."""
+
+    column: str
+    row: str
+    winner: Optional[str]
+    values: dict[str, Union[float, str]]
 
 
 def nice_ticks(top: float, count: int = 5) -> list[float]:
@@ -219,3 +234,72 @@ def line_chart(series: dict[str, list[Point]], title: str, x_label: str, y_label
                     f'M{x - 3:.1f} {hi:.1f}H{x + 3:.1f}" stroke="{color}" fill="none"/>'
                 )
     return _svg(CHART_W, top_y + h + 44, title, body)
+
+
+def grid_map(
+    cells: list[Cell], columns: list[str], rows: list[str], series: list[str], title: str, x_label: str,
+    y_label: str, unit: str,
+) -> str:  # fmt: skip
+    """A grid of cells, ``columns`` left to right and ``rows`` bottom to top
+    in the order given, each filled with its winner's legend colour and
+    labelled with the winner and its value, every other series' value (or
+    word) below it in small text, in ``series`` order."""
+    fmt = value_formatter([v for c in cells for v in c.values.values() if not isinstance(v, str)])
+
+    def shown(v: Union[float, str]) -> str:  # one precision for the chart; words as they are
+        return v if isinstance(v, str) else fmt(v)
+
+    left = 28 + _label_w(rows)
+    cell_w = (CHART_W - left - PAD) / max(len(columns), 1)
+    cell_h = 2 * MAP_LINE + max(len(series) - 1, 0) * MAP_SMALL_LINE + 14
+    cell_h = max(cell_h, (_text_w(y_label) + 2 * PAD) / max(len(rows), 1))  # room for the rotated y label
+    body, legend_h = _legend(series, left, 32, CHART_W - left - PAD)
+    top_y = 32 + legend_h + 8
+    grid_h = len(rows) * cell_h
+    for i, row in enumerate(rows):  # the first row at the bottom
+        y = top_y + (len(rows) - 1 - i) * cell_h
+        body.append(
+            f'<text x="{left - 6:.0f}" y="{y + cell_h / 2 + 4:.1f}" {FONT} text-anchor="end">{escape(row)}</text>'
+        )
+    for j, column in enumerate(columns):
+        x = left + (j + 0.5) * cell_w
+        body.append(
+            f'<text x="{x:.1f}" y="{top_y + grid_h + 16:.1f}" {FONT} text-anchor="middle">{escape(column)}</text>'
+        )
+    for c in cells:
+        x, y = left + columns.index(c.column) * cell_w, top_y + (len(rows) - 1 - rows.index(c.row)) * cell_h
+        body += _map_cell(c, x, y, cell_w, cell_h, series, shown, unit)
+    body.append(
+        f'<text x="{left + (CHART_W - left - PAD) / 2:.1f}" y="{top_y + grid_h + 32:.1f}" {FONT} '
+        f'text-anchor="middle">{escape(x_label)}</text>'
+    )
+    body.append(
+        f'<text x="14" y="{top_y + grid_h / 2:.1f}" {FONT} text-anchor="middle" '
+        f'transform="rotate(-90 14 {top_y + grid_h / 2:.1f})">{escape(y_label)}</text>'
+    )
+    return _svg(CHART_W, top_y + grid_h + 44, title, body)
+
+
+def _map_cell(
+    c: Cell, x: float, y: float, w: float, h: float, series: list[str], shown: Callable[[Union[float, str]], str],
+    unit: str,
+) -> list[str]:  # fmt: skip
+    """One map cell: filled with the winner's colour (grey without one), the
+    winner and its value, then every other series' value in small text."""
+    if c.winner is not None:
+        color, head = PALETTE[series.index(c.winner) % len(PALETTE)], [c.winner, f"{shown(c.values[c.winner])} {unit}"]
+    else:
+        words = set(c.values.values())  # "all OOM" where every series has that one word
+        only = words.pop() if len(words) == 1 else None
+        color, head = "#eeeeee", [f"all {only}" if isinstance(only, str) else "no winner"]
+    others = [f"{name}: {shown(c.values[name])}" for name in series if name != c.winner and name in c.values]
+    lines = [(head[0], f'{FONT} font-weight="bold"', MAP_LINE)] + [(t, FONT, 2 * MAP_LINE) for t in head[1:]]
+    lines += [(t, f'{SMALL_FONT} fill="#333"', 2 * MAP_LINE + (k + 1) * MAP_SMALL_LINE) for k, t in enumerate(others)]
+    out = [
+        f"<g><title>{escape(f'{c.row}, {c.column}: ' + ' at '.join(head))}</title>",
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{color}" fill-opacity="0.35" '
+        'stroke="#fff" stroke-width="2"/>',
+    ]
+    out += [f'<text x="{x + w / 2:.1f}" y="{y + dy + 2:.1f}" {font} text-anchor="middle">{escape(text)}</text>'
+            for text, font, dy in lines]  # fmt: skip
+    return out + ["</g>"]

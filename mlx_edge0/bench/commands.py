@@ -1,4 +1,4 @@
-"""``edge0 bench``: synthetic checkpoints, stock-vs-edge0 timings, the full suite."""
+"""``edge0 bench``: synthetic checkpoints, stock-vs-edge0 timings, the regime sweep, the full suite."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .report import write_report
+from .sweep import SWEEP_CACHES, SweepOptions, failed_arms, load_sweep, parse_grid, run_sweep
+from .sweep_report import write_sweep_report
 from .suite import PHASES, SuiteOptions, check_suite_arm, command_line, load_suite, quick as quick_options, run_suite
 from .tables import markdown_table
 
@@ -121,45 +123,99 @@ def gguf(stock: Path, out: Optional[Path], resident_type: str):
     )
 
 
+# The checkpoint, arm and measurement options `run` and `sweep` share.
+MEASUREMENT_OPTIONS = (
+    click.option(
+        "--stock",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="Stock mlx-lm checkpoint (e.g. from `edge0 bench synth`).",
+    ),
+    click.option(
+        "--edge0",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="The same model converted by `edge0 convert`.",
+    ),
+    click.option(
+        "--gguf",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="The same model as a GGUF, for the llama.cpp arms [default: STOCK.gguf from `edge0 bench gguf`].",
+    ),
+    click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True),
+    click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True),
+    click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True),
+    click.option(
+        "--arms",
+        default="stock,edge0-exact",
+        show_default=True,
+        callback=_arms,
+        help=f"Comma list of {', '.join(KNOWN_ARMS)}; edge0 arms may add a page-cache policy "
+        "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB.",
+    ),
+    click.option(
+        "--cache-gib",
+        "budgets",
+        default="",
+        callback=_budgets,
+        help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.",
+    ),
+    click.option(
+        "--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="Compute dtype of both arms."
+    ),
+    click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed."),
+    click.option(
+        "--k",
+        "k",
+        type=int,
+        default=0,
+        show_default=True,
+        help="K on the prerouted layers of edge0 arms (needs heads for it); stock stays native.",
+    ),
+    click.option(
+        "--timeout",
+        "timeout_s",
+        type=float,
+        default=3600.0,
+        show_default=True,
+        help="Seconds before a run is killed and recorded as failed.",
+    ),
+)
+
+
+def measurement_options(command):
+    """Add :data:`MEASUREMENT_OPTIONS` to a command, in that order."""
+    for option in reversed(MEASUREMENT_OPTIONS):
+        command = option(command)
+    return command
+
+
+def _with_budgets(arms: tuple[str, ...], budgets: tuple[float, ...]) -> tuple[str, ...]:
+    """Every hot/staged arm without @GiB at each of ``budgets`` (none: as given)."""
+    expanded = []
+    for arm in arms:
+        if budgets and "@" not in arm and arm_base(arm) in BUDGET_ARMS:
+            expanded += [f"{arm}@{b:g}" for b in budgets]
+        else:
+            expanded.append(arm)
+    return tuple(expanded)
+
+
+def _grid(unit: str):
+    def parse(ctx, param, value: str) -> tuple[Optional[float], ...]:
+        try:
+            return parse_grid(value, unit)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return parse
+
+
 @bench.command("run")
-@click.option(
-    "--stock",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Stock mlx-lm checkpoint (e.g. from `edge0 bench synth`).",
-)
-@click.option(
-    "--edge0",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="The same model converted by `edge0 convert`.",
-)
-@click.option(
-    "--gguf",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The same model as a GGUF, for the llama.cpp arms [default: STOCK.gguf from `edge0 bench gguf`].",
-)
+@measurement_options
 @click.option(
     "--out",
     required=True,
     type=click.Path(dir_okay=False, path_type=Path),
     help="Results JSON (rewritten after every run).",
-)
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option(
-    "--arms",
-    default="stock,edge0-exact",
-    show_default=True,
-    callback=_arms,
-    help=f"Comma list of {', '.join(KNOWN_ARMS)}; edge0 arms may add a page-cache policy "
-    "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB.",
-)
-@click.option(
-    "--cache-gib",
-    "budgets",
-    default="",
-    callback=_budgets,
-    help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.",
 )
 @click.option(
     "--cache",
@@ -170,26 +226,6 @@ def gguf(stock: Path, out: Optional[Path], resident_type: str):
     help="Page-cache states: cold, warm, pressure (pages dropped before every decode step).",
 )
 @click.option("--warm-prefill", is_flag=True, help="Also time a second request in each process.")
-@click.option(
-    "--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="Compute dtype of both arms."
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed.")
-@click.option(
-    "--k",
-    "k",
-    type=int,
-    default=0,
-    show_default=True,
-    help="K on the prerouted layers of edge0 arms (needs heads for it); stock stays native.",
-)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=float,
-    default=3600.0,
-    show_default=True,
-    help="Seconds before a run is killed and recorded as failed.",
-)
 @click.option(
     "--memory-cap",
     "memory_cap_gib",
@@ -221,12 +257,6 @@ def run(
     **kwargs,
 ):
     """Time each arm in a fresh process, arms alternated per round; medians with min–max."""
-    expanded = []
-    for arm in arms:
-        if budgets and "@" not in arm and arm_base(arm) in BUDGET_ARMS:
-            expanded += [f"{arm}@{b:g}" for b in budgets]
-        else:
-            expanded.append(arm)
     try:
         regime = Regime(memory_cap_gib, read_mbps)
         if preset is not None:
@@ -236,7 +266,7 @@ def run(
             sized = PRESETS[preset].regime(checkpoint_bytes(root))
             regime = Regime(memory_cap_gib or sized.memory_cap_gib, read_mbps or sized.read_mbps)
             click.echo(f"regime {preset}: {regime.label()}", err=True)
-        options = BenchOptions(out=out, arms=tuple(expanded), regime=regime, **kwargs)
+        options = BenchOptions(out=out, arms=_with_budgets(arms, budgets), regime=regime, **kwargs)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     results = run_bench(options, command=command_line())
@@ -244,6 +274,56 @@ def run(
     click.echo(f"\nResults: {out}")
     summary = results["summary"]["arms"].values()
     if any(e["ok"] == 0 and e.get("oom", 0) < e["runs"] for e in summary):  # an OOM kill is a result
+        sys.exit(1)
+
+
+@bench.command("sweep")
+@measurement_options
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Results directory: sweep.json, sweep.md, sweep.html and each point's results under points/.",
+)
+@click.option(
+    "--memory-caps",
+    default="none",
+    show_default=True,
+    callback=_grid("GiB"),
+    help="Comma list of memory caps per arm in GiB (page cache included); none (or uncapped) for no cap.",
+)
+@click.option(
+    "--read-mbps",
+    default="none",
+    show_default=True,
+    callback=_grid("MB/s"),
+    help="Comma list of read throughputs per arm in MB/s; none (or uncapped) for no throttle.",
+)
+@click.option(
+    "--cache",
+    type=click.Choice(SWEEP_CACHES),
+    default="cold",
+    show_default=True,
+    help="Page-cache state of every run (a cap needs a cold page cache; pressure drops pages every step).",
+)
+@click.option("--fresh", is_flag=True, help="Measure every point again instead of keeping an earlier sweep's runs.")
+def sweep(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], fresh: bool, **kwargs):
+    """Run the arms at every memory cap × read throughput and map where each arm wins:
+    OUT/sweep.html, OUT/sweep.md. At a capped point each arm runs in its own cgroup (Linux, root).
+
+    Rerunning into the same OUT with the same options keeps the runs already made.
+    """
+    try:
+        options = SweepOptions(out=out, arms=_with_budgets(arms, budgets), resume=not fresh, **kwargs)
+        results = run_sweep(options, command=command_line())
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    md, html = write_sweep_report(results, out)
+    click.echo(md.read_text())
+    click.echo(f"Map: {html}\nSummary: {md}\nResults: {out / 'sweep.json'}")
+    failed = failed_arms(results)
+    if failed:  # an OOM kill is a result; another failure is not
+        click.echo(f"Failed (not OOM): {'; '.join(failed)}", err=True)
         sys.exit(1)
 
 
@@ -381,9 +461,13 @@ def clean(data: Path, dry_run: bool):
 @bench.command("report")
 @click.argument("results", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def report(results: Path):
-    """Render summary.md and report.html again from RESULTS/suite.json."""
+    """Render summary.md and report.html again from RESULTS/suite.json (or, for
+    a sweep, sweep.md and sweep.html from RESULTS/sweep.json)."""
     try:
-        md, html = write_report(load_suite(results), results)
+        if (results / "sweep.json").is_file() and not (results / "suite.json").is_file():
+            md, html = write_sweep_report(load_sweep(results), results)
+        else:
+            md, html = write_report(load_suite(results), results)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"Report: {html}\nSummary: {md}")

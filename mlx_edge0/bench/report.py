@@ -49,18 +49,22 @@ class Section:
     charts: list[str] = field(default_factory=list)
 
 
+def machine_line(m: dict) -> str:
+    """The machine and versions (``runner.machine_info``) in one sentence."""
+    mem = f", {m['memory_bytes'] / GIB:.0f} GiB RAM" if "memory_bytes" in m else ""
+    cpus = m.get("cpus_usable", m.get("cpu_count"))
+    return (f"Machine: {m.get('cpu', m['machine'])}, {cpus} CPUs{mem}, {m['device']}; "
+            f"{m['platform']}, Python {m['python']}; "
+            f"mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mlx-edge0 {m['mlx_edge0']}.")  # fmt: skip
+
+
 def provenance(suite: dict) -> list[str]:
     """The machine and versions, then each command with the phases it ran:
     said once, at the top (every table is from that machine)."""
-    m = suite["machine"]
-    mem = f", {m['memory_bytes'] / GIB:.0f} GiB RAM" if "memory_bytes" in m else ""
-    cpus = m.get("cpus_usable", m.get("cpu_count"))
     ran: dict[str, list[str]] = {}
     for name, phase in suite["phases"].items():
         ran.setdefault(" ".join(phase.get("command", suite["command"])), []).append(name)
-    machine = (f"Machine: {m.get('cpu', m['machine'])}, {cpus} CPUs{mem}, {m['device']}; "
-               f"{m['platform']}, Python {m['python']}; "
-               f"mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mlx-edge0 {m['mlx_edge0']}.")  # fmt: skip
+    machine = machine_line(suite["machine"])
     if len(ran) <= 1:
         return [machine, f"Command: `{next(iter(ran), ' '.join(suite['command']))}`"]
     return [machine, *(f"Command: `{c}` ran phase(s) {', '.join(names)}." for c, names in ran.items())]
@@ -430,14 +434,24 @@ def _intro(suite: dict) -> list[str]:
     ]
 
 
-def render_markdown(suite: dict, sections: list[Section]) -> str:
-    lines = [f"# Benchmark suite: {suite['geometry']}", "", *(_p + "\n" for _p in _intro(suite))]
+def markdown_page(title: str, intro: list[str], sections: list[Section], footer: str) -> str:
+    """A report as Markdown: title, intro paragraphs, then each section's text and tables."""
+    lines = [f"# {title}", "", *(p + "\n" for p in intro)]
     for s in sections:
         lines.append(f"## {s.title}\n")
         lines += [t + "\n" for t in s.text]
         lines += [t.markdown() + "\n" for t in s.tables]
-    lines.append("Charts: `report.html` in this directory; every run's record: `suite.json`.")
+    lines.append(footer)
     return "\n".join(lines) + "\n"
+
+
+def render_markdown(suite: dict, sections: list[Section]) -> str:
+    return markdown_page(
+        f"Benchmark suite: {suite['geometry']}",
+        _intro(suite),
+        sections,
+        "Charts: `report.html` in this directory; every run's record: `suite.json`.",
+    )
 
 
 def inline_markdown(text: str) -> str:
@@ -448,14 +462,24 @@ def inline_markdown(text: str) -> str:
     return Markup(re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", html))
 
 
-def render_html(suite: dict, sections: list[Section]) -> str:
+def html_page(title: str, intro: list[str], sections: list[Section], footer: str) -> str:
+    """The same report as one HTML page, charts inline."""
     import jinja2
     from markupsafe import Markup
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("mlx_edge0.bench", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)  # fmt: skip
     env.filters.update(inline=inline_markdown, svg=Markup)  # charts escape their own labels
-    return env.get_template("report.html.j2").render(suite=suite, intro=_intro(suite), sections=sections)
+    return env.get_template("report.html.j2").render(title=title, intro=intro, sections=sections, footer=footer)
+
+
+def render_html(suite: dict, sections: list[Section]) -> str:
+    return html_page(
+        f"Benchmark suite: {suite['geometry']}",
+        _intro(suite),
+        sections,
+        "Every run's record (per-step times and counters, stderr of failures): `suite.json` and `runs/`.",
+    )
 
 
 def write_report(suite: dict, out: Path) -> tuple[Path, Path]:
