@@ -45,6 +45,9 @@ MEAN_ABS_OVER_STD = 0.03  # measured 0.011
 LLAMA_VS_Q4_0_MAX_OVER_STD = 0.05  # measured 0.016
 GREEDY_AGREEMENT = 0.9  # measured 32/32
 ROUTING_AGREEMENT = 0.9  # routed sets identical, (token, layer) pairs: measured 128/128
+# Resident matrices requantized too (every matmul rounds again): measured max 0.42, mean
+# 0.070, greedy 28/32; a wrong layout moves the mean by about the logits' spread.
+Q4_0_RESIDENT_MAX_OVER_STD, Q4_0_RESIDENT_MEAN_OVER_STD, Q4_0_RESIDENT_GREEDY = 1.0, 0.15, 0.75
 
 
 def _needs_llama_cpp():
@@ -270,3 +273,25 @@ def test_stock_llama_class_loads_and_tokenizes_like_tokenizers(peer, tokenizer_d
     reference = Tokenizer.from_file(str(src / "tokenizer.json"))
     for text in ("def f(x):\n    return x  # done", "import os, sys\n\nclass A(object):\n\tpass"):
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == reference.encode(text).ids
+
+
+def test_q4_0_resident_matrices(peer, tmp_path):
+    """``resident_type="q4_0"`` requantizes attention, embedding and LM head as
+    the experts are (the int4 checkpoint's bytes, for memory-capped runs); the
+    experts and their reported error are unchanged, and llama.cpp still
+    computes the model."""
+    src, path, report = peer
+    small = write_gguf(src, tmp_path / "q4.gguf", resident_type="q4_0")
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "q4.gguf").tensors}
+    q4_0, f32 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F32
+    for name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.3.attn_output.weight"):
+        assert tensors[name].tensor_type == q4_0, name
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == f32
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == f32
+    assert small.expert_bytes == report.expert_bytes and small.expert_rel_error == report.expert_rel_error
+    assert small.file_bytes < report.file_bytes
+    if _has_llama_cpp():
+        got, ref = _llama_logits(tmp_path / "q4.gguf"), _mlx_logits(load_stock(src))
+        diff = np.abs(got - ref) / ref.std()
+        assert diff.max() < Q4_0_RESIDENT_MAX_OVER_STD and diff.mean() < Q4_0_RESIDENT_MEAN_OVER_STD
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() >= Q4_0_RESIDENT_GREEDY

@@ -11,6 +11,7 @@ import click
 
 from ..checkpoint import human_bytes
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
+from .gguf_peer import RESIDENT_TYPES
 from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path
 from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, run_bench
@@ -101,10 +102,11 @@ def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: boo
 @click.argument("out", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--resident-type",
-    type=click.Choice(("f16", "f32")),
+    type=click.Choice(RESIDENT_TYPES),
     default="f16",
     show_default=True,
-    help="Type of the dequantized attention, embedding and LM-head matrices (router and norms are F32).",
+    help="Type of the attention, embedding and LM-head matrices: dequantized (f16, f32) or requantized "
+    "like the experts (q4_0: the int4 checkpoint's bytes, for memory-capped runs). Router and norms are F32.",
 )
 def gguf(stock: Path, out: Optional[Path], resident_type: str):
     """Write the stock qwen3_moe checkpoint STOCK as a GGUF for the llama.cpp arms

@@ -10,7 +10,10 @@ What is kept and what changes:
   dequantized from mlx affine int4 (int8 for the router) and stored unquantized:
   the router and norms as F32, the other matrices as ``resident_type`` (F16 by
   default; F32 on request). They compute what mlx-lm computes up to F16
-  rounding of already-int4 values.
+  rounding of already-int4 values. ``q4_0`` requantizes those matrices as the
+  experts are, so the file holds them in the int4 checkpoint's bytes (F16
+  takes 3.6x as many): what a memory-capped comparison needs, since every
+  extra resident byte is one the page cache cannot hold.
 - Routed experts are requantized from mlx affine int4 (a bf16 scale and bias per
   group of 64) to Q4_0 (an f16 scale per block of 32, symmetric: ``d * (q - 8)``),
   stacked per layer as ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``.
@@ -41,7 +44,8 @@ from ..checkpoint import read_config
 ARCH = "qwen3moe"
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # weights per block, bytes per block (f16 scale + 16 nibble bytes)
 EXPERT_CHUNK = 8  # experts dequantized and requantized at a time (bounds the float32 copy)
-RESIDENT_TYPES = ("f16", "f32")
+RESIDENT_TYPES = ("f16", "f32", "q4_0")
+RESIDENT_CHUNK = 4096  # rows of a resident matrix requantized at a time
 # mlx-lm parameter (module path relative to model.layers.N) -> GGUF tensor (MODEL_TENSOR name).
 LAYER_TENSORS = {
     "input_layernorm": "ATTN_NORM",
@@ -97,6 +101,7 @@ class _Planned:
     source: str  # mlx-lm module path (``.weight`` / ``.scales`` / ``.biases`` appended)
     kind: str  # "q4_0" | "f32" | "f16"
     shape: tuple[int, ...]  # logical shape, numpy order (the GGUF reverses it)
+    expert: bool = False  # a routed expert stack (its requantization error is reported)
 
     @property
     def byte_shape(self) -> tuple[int, ...]:
@@ -210,14 +215,14 @@ def _plan(weights: _Weights, config: dict, resident_type: str) -> list[_Planned]
         shape = weights.shape(module)
         if tensor in EXPERT_TENSORS:
             kind = "q4_0"
-            if shape[-1] % Q4_0_BLOCK:
-                raise GGUFConversionError(f"{module}: input dim {shape[-1]} is not a multiple of {Q4_0_BLOCK}")
         elif tensor in F32_TENSORS or len(shape) == 1:
             kind = "f32"
         else:
             kind = resident_type
+        if kind == "q4_0" and shape[-1] % Q4_0_BLOCK:
+            raise GGUFConversionError(f"{module}: input dim {shape[-1]} is not a multiple of {Q4_0_BLOCK}")
         name = names[getattr(tensors, tensor)].format(bid=bid) + ".weight"
-        plan.append(_Planned(name, module, kind, shape))
+        plan.append(_Planned(name, module, kind, shape, expert=tensor in EXPERT_TENSORS))
 
     for module, tensor in TOP_TENSORS.items():
         if module in weights:
@@ -265,11 +270,13 @@ def _tensor_data(weights: _Weights, t: _Planned, meter: _ErrorMeter) -> np.ndarr
         return weights.dense(t.source, dtype=mx.float16 if t.kind == "f16" else mx.float32)
     out = np.empty(t.byte_shape, np.uint8)
     weights.materialize(t.source)
-    for e in range(0, t.shape[0], EXPERT_CHUNK):
-        rows = slice(e, min(e + EXPERT_CHUNK, t.shape[0]))
+    chunk = EXPERT_CHUNK if t.expert else RESIDENT_CHUNK
+    for e in range(0, t.shape[0], chunk):
+        rows = slice(e, min(e + chunk, t.shape[0]))
         dense = weights.dense(t.source, rows)
         out[rows] = quantize_q4_0(dense)
-        meter.add(dense, out[rows])
+        if t.expert:
+            meter.add(dense, out[rows])
     return out
 
 
@@ -357,7 +364,8 @@ def write_gguf(
             optionally tokenizer.json).
         out: the GGUF file to write (replaced atomically).
         resident_type: ``f16`` or ``f32`` for the dequantized attention,
-            embedding and LM-head matrices (router and norms are always F32).
+            embedding and LM-head matrices, or ``q4_0`` to requantize them
+            (the int4 checkpoint's size); router and norms are always F32.
         progress: called with a line per layer.
 
     Returns:
@@ -400,7 +408,7 @@ def write_gguf(
         path=str(out),
         tensors=len(plan),
         file_bytes=out.stat().st_size,
-        expert_bytes=sum(t.nbytes for t in plan if t.kind == "q4_0"),
+        expert_bytes=sum(t.nbytes for t in plan if t.expert),
         expert_rel_error=meter.relative,
         expert_max_abs_error=meter.max_abs,
         tokenizer=tokenizer,
