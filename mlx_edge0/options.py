@@ -31,10 +31,10 @@ MIN_STAGED_WINDOW = 3
 AUTO_CACHE_MEMORY_SHARE = 0.10
 AUTO_CACHE_EXPERT_SHARE = 0.25
 # With page_cache="bypass" the hot cache is the only copy of an expert in memory,
-# so "auto" takes the room the page cache would have had: half of what is
-# available (the rest: resident weights, loaded after the budget is set, staging,
-# the prompt's whole-layer buffer, KV), up to every expert.
-AUTO_BYPASS_MEMORY_SHARE = 0.50
+# so "auto" takes the room the page cache would have had: this share of what is
+# available once the process's other memory is counted (the rest: KV, activations,
+# MLX's buffer cache, the interpreter), up to every expert.
+AUTO_BYPASS_MEMORY_SHARE = 0.85
 
 
 def parse_cache_gib(value: str) -> Union[float, str]:
@@ -76,7 +76,9 @@ class Options:
         cache_gib: hot-cache budget in GiB, or "auto" (10% of available
             memory, at most a quarter of the experts: room is left for the
             page cache and KV; with ``page_cache="bypass"``, which keeps no
-            page cache, half of available memory, up to every expert).
+            page cache, 85% of what available memory leaves once resident
+            weights, heads, staging and the prompt buffer are counted, up to
+            every expert).
             Available memory is capped by the process's cgroup limit
             (``memory.available_memory``). 0 disables the hot cache. Either way the
             cache never holds more than all the experts, so a budget above
@@ -175,16 +177,18 @@ class Options:
         if self.prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
 
-    def cache_bytes(self, expert_bytes: int, sharers: int = 1) -> int:
+    def cache_bytes(self, expert_bytes: int, sharers: int = 1, committed: int = 0) -> int:
         """The hot-cache budget for a model whose experts total ``expert_bytes``
         (a rank's share of them), when ``sharers`` processes of one model
         share this machine's memory (ranks of a group on one host): "auto"
-        splits the memory term between them."""
+        splits the memory term between them. ``committed``: bytes the process
+        will hold besides the cache (resident weights, heads, staging, the
+        prompt's buffer), which a bypassing "auto" budget leaves room for."""
         if self.cache_gib == "auto":
-            bypass = self.page_cache == "bypass"
-            share = AUTO_BYPASS_MEMORY_SHARE if bypass else AUTO_CACHE_MEMORY_SHARE
-            memory = share * available_memory() / max(1, sharers)
-            return int(min(memory, (1.0 if bypass else AUTO_CACHE_EXPERT_SHARE) * expert_bytes))
+            memory = available_memory() / max(1, sharers)
+            if self.page_cache == "bypass":
+                return int(min(AUTO_BYPASS_MEMORY_SHARE * max(0, memory - committed), expert_bytes))
+            return int(min(AUTO_CACHE_MEMORY_SHARE * memory, AUTO_CACHE_EXPERT_SHARE * expert_bytes))
         return int(self.cache_gib * GIB)
 
     def dtype(self) -> Optional[mx.Dtype]:

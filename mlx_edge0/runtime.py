@@ -26,7 +26,7 @@ from typing import Iterator, Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .checkpoint import Edge0Section
+from .checkpoint import RESIDENT_FILE, Edge0Section
 from .hot import HotCache, hot_capacity
 from .options import Options
 from .parallel import ExpertShard
@@ -84,13 +84,6 @@ class StreamingRuntime:
         pool_dtype = self.pool_dtype = pool_scales_dtype(g, self.compute_dtype)
         k = section.num_experts_per_tok
         self.experts_per_layer = g.num_experts if shard is None else len(owned)
-        expert_bytes = g.bundle_bytes * self.experts_per_layer * len(layers)
-        capacity = hot_capacity(
-            options.cache_bytes(expert_bytes, memory_sharers),
-            SlotBuffers.row_nbytes(g, pool_dtype),
-            self.experts_per_layer * len(layers),
-        )
-        self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         if options.k and not section.prerouter:
             raise ValueError(
                 f"k={options.k} applies to prerouted layers, and this checkpoint has no prerouter "
@@ -129,6 +122,22 @@ class StreamingRuntime:
         self.loader = WholeLayerLoader(
             self.store, layers, pool_dtype, drop_pages=options.page_cache == "drop-prefill", experts=owned
         )
+        # The hot cache last: an "auto" budget with the page cache bypassed takes
+        # what is left once everything else this process will hold is counted.
+        row_bytes = SlotBuffers.row_nbytes(g, pool_dtype)
+        committed = (
+            (checkpoint_dir / RESIDENT_FILE).stat().st_size  # resident weights, loaded after this
+            + sum(v.nbytes for h in heads.values() for _, v in tree_flatten(h.parameters()))
+            + sum(b.nbytes for b in [*self.staging.values(), *self.window])
+            + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
+        )
+        expert_bytes = g.bundle_bytes * self.experts_per_layer * len(layers)
+        capacity = hot_capacity(
+            options.cache_bytes(expert_bytes, memory_sharers, committed),
+            row_bytes,
+            self.experts_per_layer * len(layers),
+        )
+        self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         dtype, tel = self.compute_dtype, self.telemetry
         self.exact = ExactPath(self.store, tel, dtype, pool_dtype, max(self.k_of.values()))
         self.decode_fallback = HotPath(self.hot, self.exact, tel, dtype) if self.hot else self.exact

@@ -47,19 +47,21 @@ def test_cache_budget_resolution():
     alone, shared = Options().cache_bytes(1 << 60), Options().cache_bytes(1 << 60, sharers=2)
     assert shared == pytest.approx(alone / 2, rel=0.05)
     assert Options(cache_gib=0.5).cache_bytes(10 * GIB, sharers=2) == GIB // 2
+    assert Options(compute_dtype="auto").dtype() == (mx.float32 if mx.default_device() == mx.cpu else None)
+    assert Options(compute_dtype="native").dtype() is None
 
 
 def test_auto_budget_with_page_cache_bypass(monkeypatch):
-    """With no page cache the hot cache is the only copy: "auto" takes half of
-    what is available (the cgroup's headroom when capped), up to every expert."""
+    """With no page cache the hot cache is the only copy: "auto" takes 85% of
+    what is available (the cgroup's headroom when capped) once the process's
+    other memory is counted, up to every expert."""
     monkeypatch.setattr("mlx_edge0.options.available_memory", lambda: 8 * GIB)
-    assert Options().cache_bytes(100 * GIB) == int(0.1 * 8 * GIB)
-    assert Options(page_cache="bypass").cache_bytes(100 * GIB) == 4 * GIB
-    assert Options(page_cache="bypass").cache_bytes(3 * GIB) == 3 * GIB  # every expert, not a quarter
+    assert Options().cache_bytes(100 * GIB, committed=2 * GIB) == int(0.1 * 8 * GIB)
+    assert Options(page_cache="bypass").cache_bytes(100 * GIB, committed=2 * GIB) == int(0.85 * 6 * GIB)
+    assert Options(page_cache="bypass").cache_bytes(3 * GIB, committed=2 * GIB) == 3 * GIB  # every expert
     assert Options().cache_bytes(3 * GIB) == int(0.25 * 3 * GIB)
-    assert Options(page_cache="bypass").cache_bytes(100 * GIB, sharers=2) == 2 * GIB
-    assert Options(compute_dtype="auto").dtype() == (mx.float32 if mx.default_device() == mx.cpu else None)
-    assert Options(compute_dtype="native").dtype() is None
+    assert Options(page_cache="bypass").cache_bytes(100 * GIB, sharers=2, committed=GIB) == int(0.85 * 3 * GIB)
+    assert Options(page_cache="bypass").cache_bytes(100 * GIB, committed=9 * GIB) == 0  # nothing left
 
 
 def test_a_budget_never_holds_more_than_all_the_experts(converted):
