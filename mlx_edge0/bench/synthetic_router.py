@@ -1,10 +1,10 @@
 """Router weights for synthetic checkpoints whose routing locality is a knob.
 
 A random-weight checkpoint routes however its random routers happen to: the
-residual stream of a random model has a large component shared by every
-token (its mean), so a random router gives every token nearly the same
-experts (the ``qwen3-30b-a3b`` synth reuses 73% of a layer's experts token
-to token) or, by chance, not. This module rewrites each MoE layer's router
+residual stream of a random model has large components shared by every
+token (its mean) or by every token of a sequence, so a random router gives
+tokens nearly the same experts (the 12-layer ``qwen3-30b-a3b`` synth reuses
+73% of a layer's experts token to token) or, by chance, not. This module rewrites each MoE layer's router
 (``mlp.gate``) so that the checkpoint's *own* routing, computed by stock
 mlx-lm, has a chosen locality. Nothing changes at run time: edge0, stock
 mlx-lm and llama.cpp (whose GGUF converts the same router) route alike.
@@ -277,6 +277,7 @@ def _solve_layer(
     if routing == "calibrated":
         for _ in range(2):  # stickiness shifts the coverage a little: solve twice
             popularity = _bisect(lambda a: -coverage(measure(a, sticky)[0]), MAX_POPULARITY, -CALIBRATED_COVERAGE90)
+            sticky = 0.0
             if reuse(measure(popularity, 0.0)[0]) < CALIBRATED_REUSE:
                 sticky = _bisect(lambda b: reuse(measure(popularity, b)[0]), 1.0, CALIBRATED_REUSE)
     traces, stored = measure(popularity, sticky)
