@@ -16,6 +16,7 @@ from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, parse_arm,
 from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, run_bench
 from .synth import SynthOptions, geometries, synth_checkpoint
+from .synthetic_router import ROUTINGS
 from .report import write_report
 from .sweep import SWEEP_CACHES, SweepOptions, failed_arms, load_sweep, parse_grid, run_sweep
 from .sweep_report import write_sweep_report
@@ -84,16 +85,30 @@ def bench():
     is_flag=True,
     help="Also quantize embeddings and lm_head where mlx-lm's predicate keeps them bf16.",
 )
-def synth(geometry: str, out: Path, layers: Optional[int], seed: int, force: bool, quantize_embeddings: bool):
+@click.option(
+    "--routing",
+    type=click.Choice(ROUTINGS),
+    default="random",
+    show_default=True,
+    help="Router weights: random (locality is an accident of the init); uniform (no popular experts, "
+    "reuse about K/E); calibrated (popularity solved for the published 90%-coverage figure). The "
+    "checkpoint's own routers do it: every runtime routes alike.",
+)
+def synth(
+    geometry: str, out: Path, layers: Optional[int], seed: int, force: bool, quantize_embeddings: bool, routing: str
+):
     """Write a random-weight stock mlx-lm int4 checkpoint of a public model's shape to OUT."""
     try:
-        options = SynthOptions(geometry, layers=layers, seed=seed, force=force, quantize_embeddings=quantize_embeddings)
+        options = SynthOptions(
+            geometry, layers=layers, seed=seed, force=force, quantize_embeddings=quantize_embeddings, routing=routing
+        )
         report = synth_checkpoint(out, options)
     except (ValueError, FileExistsError) as e:
         raise click.ClickException(str(e)) from None
+    routers = f" ({report.router_seconds:.1f} s setting {routing} routers)" if routing != "random" else ""
     click.echo(
         f"Wrote {report.path}: {report.total_bytes / 1e9:.2f} GB in {report.shards} shards, "
-        f"{report.tensors} tensors, {report.seconds:.1f} s"
+        f"{report.tensors} tensors, {report.seconds:.1f} s{routers}"
     )
 
 

@@ -46,6 +46,7 @@ from ..checkpoint import text_config
 from ..model_patches import resolve_model_type
 from ..progress import note
 from ..tensorfile import TensorWriter, dtype_code
+from .synthetic_router import ROUTINGS, calibrate_routers, patch_tensors
 
 GEOMETRIES_FILE = Path(__file__).with_name("geometries.json")
 BITS, GROUP_SIZE = 4, 64
@@ -88,6 +89,10 @@ class SynthOptions:
         quantize_embeddings: also quantize the input embeddings and lm_head
             where the model's ``quant_predicate`` keeps them in bf16 (e.g.
             bailing_moe_v3), as a checkpoint quantized by other tools would be.
+        routing: ``random`` (random routers: locality is an accident of the
+            init), ``uniform`` or ``calibrated`` (routers set so the
+            checkpoint's own routing has that locality; see
+            :mod:`~.synthetic_router`).
     """
 
     geometry: str
@@ -96,11 +101,14 @@ class SynthOptions:
     force: bool = False
     overrides: dict = field(default_factory=dict)
     quantize_embeddings: bool = False
+    routing: str = "random"
 
     def __post_init__(self):
         known = geometries()
         if self.geometry not in known:
             raise ValueError(f"unknown geometry {self.geometry!r}; choose one of {', '.join(known)}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers must be at least 1, got {self.layers}")
         text = text_config(source_config(self))
@@ -121,6 +129,8 @@ def synthetic_origin(options: SynthOptions) -> dict:
     }
     if options.quantize_embeddings:
         origin["quantized_embeddings"] = True
+    if options.routing != "random":
+        origin["routing"] = options.routing
     return origin
 
 
@@ -131,6 +141,7 @@ class SynthReport:
     tensors: int
     total_bytes: int
     seconds: float
+    router_seconds: float = 0.0
 
 
 def source_config(options: SynthOptions) -> dict:
@@ -316,6 +327,7 @@ def synth_checkpoint(
     out: Path | str,
     options: SynthOptions,
     progress: Callable[[str], None] = note,
+    show_progress: bool = True,
 ) -> SynthReport:
     """Write a random-weight int4 checkpoint of ``options.geometry`` to ``out``.
 
@@ -331,8 +343,18 @@ def synth_checkpoint(
     start = time.perf_counter()
     model, config = quantized_model(source_config(options), options.seed, options.quantize_embeddings)
     config["edge0_synthetic"] = synthetic_origin(options)
+    router_seconds = 0.0
     with atomic_directory(out, replace=options.force) as tmp:
         index, n_shards, n_tensors = _write_shards(tmp, model, options.seed, progress)
+        if options.routing != "random":
+            calibration = _set_routers(tmp, model, options, index["weight_map"], show_progress)
+            router_seconds = calibration.seconds
+            config["edge0_synthetic"]["router"] = calibration.as_dict()
+            progress(
+                f"[synth] {options.routing} routers in {router_seconds:.1f} s: held-out coverage90 "
+                f"{calibration.mean('coverage90'):.3f}, reuse {calibration.mean('reuse'):.3f}, "
+                f"{calibration.mean('distinct'):.1f} distinct experts per layer"
+            )
         with open(tmp / "model.safetensors.index.json", "w") as f:
             json.dump(index, f, indent=4)
         save_config(config, tmp / "config.json")
@@ -342,4 +364,19 @@ def synth_checkpoint(
         tensors=n_tensors,
         total_bytes=index["metadata"]["total_size"],
         seconds=time.perf_counter() - start,
+        router_seconds=router_seconds,
     )
+
+
+def _set_routers(root: Path, model: nn.Module, options: SynthOptions, weight_map: dict, show_progress: bool):
+    """Load the written weights into ``model`` (float32, as the bench runs),
+    calibrate its routers and overwrite them in the shards."""
+    files = sorted(set(weight_map.values()))
+    model.load_weights([item for f in files for item in mx.load(str(root / f)).items()])
+    model.set_dtype(mx.float32)
+    vocab = text_config(source_config(options))["vocab_size"]
+    calibration, tensors = calibrate_routers(
+        model, options.routing, vocab_size=vocab, seed=options.seed, show_progress=show_progress
+    )
+    patch_tensors(root, tensors, weight_map)
+    return calibration
