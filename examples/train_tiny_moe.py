@@ -1,10 +1,10 @@
 """Recipe: the project's default model, from nothing, in one command.
 
 Trains a small stock qwen3_moe from scratch on the Python standard library
-(the same as ``edge0 train base WORKDIR``), converts the bf16 teacher to an
+(the same as ``edge0 train base WORKDIR --steps 700``), converts the bf16 teacher to an
 int4 edge0 checkpoint (``edge0 convert``), writes warm-started prerouter heads
 (``edge0 heads init``), then scores both on the held-out stdlib files and
-prints a sample. Resumes if interrupted. About 30 minutes on one CPU core.
+prints a sample. Resumes if interrupted. About 40 minutes on one CPU core.
 
     python examples/train_tiny_moe.py WORKDIR [--steps N] [--install-default]
 
@@ -30,6 +30,7 @@ from mlx_edge0.train.base import BaseOptions, held_out_perplexity, load_teacher,
 from mlx_edge0.train.data import eval_windows, split_corpus, tokenize_documents
 
 PROMPT = "def fibonacci(n):"
+STEPS = 700  # the embedded default's training steps (``edge0 train base`` defaults to 400)
 
 
 def main(workdir: Path, steps: int, install: bool) -> None:
@@ -87,7 +88,7 @@ def _dir_bytes(path: Path) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", type=Path)
-    parser.add_argument("--steps", type=int, default=BaseOptions.steps)
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--install-default", action="store_true")
     args = parser.parse_args()
     main(args.workdir, args.steps, args.install_default)

@@ -8,7 +8,7 @@ Invariants:
   generation must carry exactly it; heads and adapters, when they carry one.
   A mismatch means files of two conversions are mixed and is refused,
   naming the file. Checkpoints without one (made before generations
-  existed, the embedded default model) are not checked.
+  existed) are not checked.
 - ``edge0.sha256`` maps every file convert wrote (and the heads file saved
   later) to its SHA-256, so :func:`verify` finds files changed in place
   (tampering, bit rot) as well as non-finite scales.
