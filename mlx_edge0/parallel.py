@@ -165,7 +165,11 @@ def ranks_on_host(group: Any) -> int:
 def gather_bytes(group: Any, data: bytes) -> np.ndarray:
     """Every rank's ``data`` (the same length on every rank), one row per rank."""
     # Collectives of different streams must not interleave: let work still in
-    # flight (e.g. a generation step mlx-lm evaluates ahead) end first.
+    # flight end first, on the default stream and on mlx-lm's generation
+    # stream, where generate_step leaves the step after its last token running.
+    from mlx_lm.generate import generation_stream
+
     mx.synchronize()
+    mx.synchronize(generation_stream)
     mine = mx.array(np.frombuffer(data, np.uint8))
     return np.array(mx.distributed.all_gather(mine, group=group, stream=mx.cpu)).reshape(group.size(), -1)

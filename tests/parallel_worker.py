@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
@@ -45,7 +45,7 @@ def run_one(run: dict, group: Optional[Any]) -> dict[str, np.ndarray]:
     for token, lp in generate_step(ids, model, max_tokens=run["tokens"], prompt_cache=cache):
         tokens.append(int(token))
         logprobs.append(np.array(lp.astype(mx.float32)))
-    mx.synchronize()  # generate_step evaluates a step ahead: let its collectives end before the next run's
+    mx.synchronize(generation_stream)  # generate_step leaves a step ahead running: its collectives end first
     read = np.array(sorted({(layer, e) for layer, ids in telemetry.read_trace for e in ids}), np.int64)
     stats = model.stats()
     return {
