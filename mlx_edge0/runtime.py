@@ -124,11 +124,12 @@ class StreamingRuntime:
         )
         # The hot cache last: an "auto" budget with the page cache bypassed takes
         # what is left once everything else this process will hold is counted.
+        self.heads = heads
         row_bytes = SlotBuffers.row_nbytes(g, pool_dtype)
         committed = (
             (checkpoint_dir / RESIDENT_FILE).stat().st_size  # resident weights, loaded after this
-            + sum(v.nbytes for h in heads.values() for _, v in tree_flatten(h.parameters()))
-            + sum(b.nbytes for b in [*self.staging.values(), *self.window])
+            + self.heads_nbytes()
+            + self.staged_nbytes()
             + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
         )
         expert_bytes = g.bundle_bytes * self.experts_per_layer * len(layers)
@@ -148,7 +149,6 @@ class StreamingRuntime:
         )
         self.whole_layer = WholeLayerPath(self.loader, dtype)
         self.first_layer = layers[0]
-        self.heads = heads
         self.prerouting: Optional[Prerouting] = None  # made by ``attach``
         # Set inside ``training_forward``: the expert source of the
         # whole-sequence training forward (mlx_edge0.train.student).
@@ -247,14 +247,18 @@ class StreamingRuntime:
             return self.whole_layer
         return self.decode_fallback
 
+    def heads_nbytes(self) -> int:
+        return sum(v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters()))
+
+    def staged_nbytes(self) -> int:
+        return sum(b.nbytes for b in [*self.staging.values(), *self.window])
+
     def resident_bytes(self) -> dict[str, int]:
         return {
             "hot": self.hot.nbytes if self.hot else 0,
-            "staged": sum(b.nbytes for b in [*self.staging.values(), *self.window]),
+            "staged": self.staged_nbytes(),
             "exact": self.exact.scratch.nbytes if self.exact.scratch else 0,
-            "prerouter_heads": sum(v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters()))
-            if self.prerouting is not None
-            else 0,
+            "prerouter_heads": self.heads_nbytes() if self.prerouting is not None else 0,
         }
 
     def stats(self) -> dict:

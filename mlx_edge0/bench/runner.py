@@ -134,7 +134,12 @@ class BenchOptions:
         )  # fmt: skip
 
     def to_dict(self) -> dict:
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        return options_dict(self)
+
+
+def options_dict(options) -> dict:
+    """A dataclass of options as results JSON records it (paths as text)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}
 
 
 def prepare_page_cache(root: Path, mode: str) -> str:

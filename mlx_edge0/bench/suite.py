@@ -38,7 +38,16 @@ from typing import Callable, Optional
 from ..checkpoint import read_config, text_config
 from ..progress import bar, note
 from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, checkpoint_files, parse_arm
-from .runner import CODE_ROOT, BenchOptions, child_env, machine_info, run_bench, runs_to_make, write_json
+from .runner import (
+    CODE_ROOT,
+    BenchOptions,
+    child_env,
+    machine_info,
+    options_dict,
+    run_bench,
+    runs_to_make,
+    write_json,
+)
 from .synth import SynthOptions, source_config, synth_checkpoint, synthetic_origin
 
 PHASES = ("main", "low-k", "sweep", "low-k-pressure", "profile")
@@ -287,7 +296,7 @@ def run_suite(
         "geometry": o.geometry, "layers": o.layers,
         "native_layers": text_config(source_config(SynthOptions(o.geometry)))["num_hidden_layers"],
         "native_k": k_native, "command": command, "machine": machine_info(),
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(o).items()},
+        "options": options_dict(o),
         "checkpoints": checkpoints, "started": started,
         "phases": earlier_phases(out, o, checkpoints, {p.name for p in phases}, progress),
     }  # fmt: skip

@@ -20,13 +20,13 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ..progress import bar, note
 from .regime import Regime
-from .runner import BenchOptions, machine_info, run_bench, runs_to_make, stats_of, write_json
+from .runner import BenchOptions, machine_info, options_dict, run_bench, runs_to_make, stats_of, write_json
 from .tables import median
 
 # A cap needs a cold page cache (pages cached before the run are charged to another cgroup).
@@ -131,7 +131,7 @@ class SweepOptions:
         )  # fmt: skip
 
     def to_dict(self) -> dict:
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        return options_dict(self)
 
 
 def arm_summary(entry: dict, runs: list[dict]) -> dict:
