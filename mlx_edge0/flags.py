@@ -47,7 +47,8 @@ def field_flag(f: Field) -> Callable:
     extra: dict[str, Any] = {}
     if meta.get("choices"):
         extra["type"] = click.Choice(meta["choices"])
-    if meta.get("parse"):
+    if meta.get("parse"):  # the parser gets the text, whatever the default's type
+        extra["type"] = click.STRING
         extra["callback"] = _parse_with(meta["parse"])
     decls = [f"--{name}/--no-{name}" if isinstance(f.default, bool) else f"--{name}", f.name]
     return click.option(*decls, default=f.default, show_default=True, help=meta.get("help"), **extra)

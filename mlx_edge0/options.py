@@ -25,7 +25,7 @@ PAGE_CACHE_POLICIES = ("keep", "drop-prefill", "bypass")
 PARALLEL_MODES = ("expert", "pipeline")
 GIB = 1 << 30
 # A staged window needs one buffer per prerouted layer the host may build
-# ahead of compute (2) plus the one being filled.
+# ahead of compute (2) plus the one being filled; an "auto" window starts here.
 MIN_STAGED_WINDOW = 3
 # "auto" hot cache: this share of available memory, at most this share of the experts.
 AUTO_CACHE_MEMORY_SHARE = 0.10
@@ -37,18 +37,27 @@ AUTO_CACHE_EXPERT_SHARE = 0.25
 AUTO_BYPASS_MEMORY_SHARE = 0.85
 
 
-def parse_cache_gib(value: str) -> Union[float, str]:
-    """``cache_gib`` from text: "auto" or a number of GiB.
+def auto_or(number: Callable[[str], Union[int, float]], fix: str) -> Callable[[str], Union[int, float, str]]:
+    """A parser of an option's text that takes "auto" or a ``number``
+    (``int``, ``float``); its range is checked by :class:`Options`.
 
-    Raises:
-        ValueError: anything else, with the fix.
+    The parser raises ``ValueError`` for anything else, with ``fix`` (what
+    to write instead) in the message.
     """
-    if value == "auto":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{value!r}: use 'auto' or a number of GiB") from None
+
+    def parse(value: str) -> Union[int, float, str]:
+        if value == "auto":
+            return value
+        try:
+            return number(value)
+        except ValueError:
+            raise ValueError(f"{value!r}: use {fix}") from None
+
+    return parse
+
+
+parse_cache_gib = auto_or(float, "'auto' or a number of GiB")
+parse_staged_window = auto_or(int, f"0, an integer >= {MIN_STAGED_WINDOW} or 'auto'")
 
 
 def _option(
@@ -93,7 +102,12 @@ class Options:
             buffers used in turn, layer order: a layer's fill starts when
             the host reaches the prerouted layer N-2 before it, so reads run
             about N-2 layers ahead of compute in N x K rows. For when memory,
-            not read time, is short.
+            not read time, is short. "auto" = start at 3 buffers and add one
+            after each decode step whose prerouted layers waited for reads
+            more than a set share of the step
+            (:data:`mlx_edge0.prerouting.WINDOW_WAIT_SHARE`), up to one per
+            prerouted layer; it never shrinks. The hot cache's "auto" budget
+            leaves room for the largest window.
         prefill: prompt-chunk path: "auto" (whole layer when the chunk routes
             to about every expert, else the decode fallback), "whole-layer",
             or "exact".
@@ -133,10 +147,12 @@ class Options:
     hot_policy: str = _option("lfu", choices=HOT_POLICIES)
     staged: bool = _option(False, "Decode through per-layer staged slots.")
     staged_slots: int = _option(0, "Slots per staged buffer (0 = K).")
-    staged_window: int = _option(
+    staged_window: Union[int, str] = _option(
         0,
         "Staged buffers the prerouted layers take in turn (0 = one per layer; "
-        "N >= 3: N x K rows, reads about N-2 layers ahead).",
+        "N >= 3: N x K rows, reads about N-2 layers ahead; "
+        "'auto': from 3, one more after each step whose reads stalled compute).",
+        parse=parse_staged_window,
     )
     prefill: str = _option("auto", "Prompt-chunk path.", choices=PREFILL_PATHS)
     page_cache: str = _option("keep", "What expert reads leave in the OS page cache.", choices=PAGE_CACHE_POLICIES)
@@ -161,12 +177,13 @@ class Options:
             raise ValueError(f"hot_policy must be one of {', '.join(HOT_POLICIES)}, got {self.hot_policy!r}")
         if not isinstance(self.staged_slots, int) or self.staged_slots < 0:
             raise ValueError(f"staged_slots must be an integer >= 0, got {self.staged_slots!r}")
-        if not isinstance(self.staged_window, int) or not (
-            self.staged_window == 0 or self.staged_window >= MIN_STAGED_WINDOW
+        if self.staged_window != "auto" and not (
+            isinstance(self.staged_window, int) and (self.staged_window == 0 or self.staged_window >= MIN_STAGED_WINDOW)
         ):
             raise ValueError(
-                f"staged_window must be 0 (a buffer per prerouted layer) or an integer >= "
-                f"{MIN_STAGED_WINDOW}, got {self.staged_window!r}"
+                f"staged_window must be 0 (a buffer per prerouted layer), an integer >= {MIN_STAGED_WINDOW} "
+                f"(that many buffers) or 'auto' (from {MIN_STAGED_WINDOW}, grown while reads stall compute), "
+                f"got {self.staged_window!r}"
             )
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"k must be an integer >= 0 (0 = the checkpoint's K), got {self.k!r}")

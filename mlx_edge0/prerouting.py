@@ -37,6 +37,11 @@ fills start then; the others take the window's buffers in turn, each fill
 starting when the host reaches the prerouted layer ``HOST_AHEAD`` places
 before the buffer's next user, once that buffer's last reader has been
 computed (:func:`window_buffer`, :func:`fills_at_open`, :func:`refill_at`).
+An "auto" window grows between steps (:func:`grown_window` decides, the
+runtime allocates, :meth:`Prerouting.add_window_buffer` takes the buffer):
+the arithmetic reads the window's length when a step opens, and
+:meth:`StagingBuffer.retarget` forgets a buffer's contents when its rank now
+maps it to another layer, so a longer window never serves stale rows.
 
 :class:`Prerouting` knows no blocks and no runtime: it receives the heads,
 one route callable per consumer layer (that layer's routing math: logits
@@ -66,6 +71,9 @@ SLOTS_PER_OWNER = 3  # one-hot at the last token, predicted logits, valid
 # refilling a buffer waits for its last reader, so the buffer refilled at a
 # layer is the one read this many prerouted layers before.
 HOST_AHEAD = MIN_STAGED_WINDOW - 1
+# An "auto" window grows while a step's prerouted layers wait for their reads
+# more than this share of the step (the exposed-wait target of issue 19).
+WINDOW_WAIT_SHARE = 0.05
 
 
 def window_buffer(rank: int, window: int) -> int:
@@ -86,6 +94,24 @@ def refill_at(rank: int, window: int) -> Optional[int]:
     if not window or rank < HOST_AHEAD:
         return None
     return rank - HOST_AHEAD + window
+
+
+def grown_window(window: int, wait_s: float, step_s: float, limit: int) -> int:
+    """The depth of an "auto" window for the next step, from the last one.
+
+    Each buffer more starts every fill a prerouted layer earlier, so while
+    the prerouted layers' exposed wait ``wait_s`` is over
+    :data:`WINDOW_WAIT_SHARE` of the step's wall time ``step_s``, the window
+    gets one buffer more, up to ``limit`` (one per prerouted layer: every
+    fill starts when the step opens, as without a window). It never shrinks:
+    a step that stopped waiting is the deeper window at work, not a sign
+    that a shallower one would do, and dropping a buffer throws away rows
+    already filled (the hot cache's budget has room for the largest window
+    anyway).
+    """
+    if window < limit and step_s > 0 and wait_s > WINDOW_WAIT_SHARE * step_s:
+        return window + 1
+    return window
 
 
 @dataclass(frozen=True)
@@ -130,7 +156,7 @@ class Prerouting:
         self.consumer_of = consumer_of
         self.routes = {c: routes[c] for c in consumer_of.values()}
         self.buffers = buffers
-        self.window = window
+        self.window = list(window)
         self.hot = hot
         self.telemetry = telemetry
         self.compute_dtype = compute_dtype
@@ -145,6 +171,12 @@ class Prerouting:
         # consumer -> (use [B, L], predicted logits [B, L, E]): positions routed with
         # a prediction where the plan does not cover the whole forward
         self.partial: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def add_window_buffer(self, buffer: StagingBuffer) -> None:
+        """Give the window one buffer more, from the next step on. Between
+        forwards only (nothing planned): a step's ranks keep their buffers."""
+        assert self.window and not self.planned, "a window grows between steps"
+        self.window.append(buffer)
 
     def make_cache(self) -> ArraysCache:
         """The per-sequence prediction state (see the module docstring)."""
@@ -268,13 +300,15 @@ class Prerouting:
         mx.async_eval(x)  # the compute thread runs everything up to here while the reads land
         self._start(refill_at(self.order.index(layer), len(self.window)))
         try:
-            plan.fill.reads.wait()
+            waited = plan.fill.reads.wait()
         except BaseException:
             buffer.invalidate()
             raise
         if self.hot is not None:  # the cache learns the prerouted layers' experts too
             self.hot.admit(layer, plan.ids, plan.fill.read, buffer.rows)
-        self.telemetry.current.prerouted += 1
+        stats = self.telemetry.current
+        stats.prerouted += 1
+        stats.prerouted_wait_s += waited
         return buffer.rows.compute(x, mx.take(plan.fill.slot_table, inds), self.compute_dtype)
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:

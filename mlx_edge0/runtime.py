@@ -10,10 +10,12 @@ it picks per forward. It never calls into a block: the prerouter gets each
 consumer's routing math as a callable (:meth:`attach`).
 
 Peak MLX memory during decode is resident weights + hot cache + staging
-buffers (or window) + KV: all fixed at load, independent of the checkpoint's
+buffers (or window) + KV: all bounded at load, independent of the checkpoint's
 size and of generation length, once MLX's buffer cache is capped so freed
 transients do not pile up (process-wide, so the caller's choice:
-:meth:`mlx_edge0.model.Edge0Model.limit_buffer_cache`).
+:meth:`mlx_edge0.model.Edge0Model.limit_buffer_cache`). An "auto" window is
+the one tier that grows after load (:meth:`StreamingRuntime.adapt_window`),
+and the hot cache's budget is sized against its largest size.
 """
 
 from __future__ import annotations
@@ -28,17 +30,17 @@ from mlx.utils import tree_flatten
 
 from .checkpoint import RESIDENT_FILE, Edge0Section
 from .hot import HotCache, hot_capacity
-from .options import Options
+from .options import MIN_STAGED_WINDOW, Options
 from .parallel import ExpertShard
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
 from .prerouter_heads import load_heads
-from .prerouting import Plan, Prerouting, Route
+from .prerouting import Plan, Prerouting, Route, grown_window
 from .slots import SlotBuffers
 from .staging import StagingBuffer
 from .store import ExpertStore, pool_scales_dtype
 from .streaming import ExpertSource
-from .telemetry import Telemetry
+from .telemetry import Stats, Telemetry
 
 
 class StreamingRuntime:
@@ -105,8 +107,12 @@ class StreamingRuntime:
             for head in heads.values():  # otherwise they stay unread until a forward uses them
                 head.hold_transposed()
         # Staging buffers: per layer (the staged path, and the prerouted layers
-        # without a window), or a window the prerouted layers take in turn.
-        window = min(options.staged_window, len(consumer_of))
+        # without a window), or a window the prerouted layers take in turn; an
+        # "auto" window starts at MIN_STAGED_WINDOW buffers and may grow to one
+        # per prerouted layer (``window_limit``).
+        auto = options.staged_window == "auto"
+        self.window_limit = len(consumer_of) if auto else min(options.staged_window, len(consumer_of))
+        window = min(MIN_STAGED_WINDOW, self.window_limit) if auto else self.window_limit
         staged_layers = layers if options.staged else ([] if window else sorted(consumer_of.values()))
         # A layer never routes to more experts than it has: more slots would stay empty.
         self.staging = {
@@ -115,10 +121,8 @@ class StreamingRuntime:
             )
             for layer in staged_layers
         }
-        self.window = [
-            StagingBuffer(self.store, -1, min(options.staged_slots or spec.k, g.num_experts), pool_dtype)
-            for _ in range(window)
-        ]
+        self.window_slots = min(options.staged_slots or spec.k, g.num_experts) if window else 0
+        self.window = [self._window_buffer() for _ in range(window)]
         self.loader = WholeLayerLoader(
             self.store, layers, pool_dtype, drop_pages=options.page_cache == "drop-prefill", experts=owned
         )
@@ -129,7 +133,7 @@ class StreamingRuntime:
         committed = (
             (checkpoint_dir / RESIDENT_FILE).stat().st_size  # resident weights, loaded after this
             + self.heads_nbytes()
-            + self.staged_nbytes()
+            + self.staged_nbytes(largest=True)
             + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
         )
         expert_bytes = g.bundle_bytes * self.experts_per_layer * len(layers)
@@ -192,7 +196,9 @@ class StreamingRuntime:
             return self.training_source.begin(layer, x)
         batch, length = x.shape[0], x.shape[1]
         if layer == self.first_layer:
-            self.telemetry.begin_step(batch * length)
+            closed = self.telemetry.begin_step(batch * length)
+            if closed is not None:
+                self.adapt_window(closed)
             if length == 1:
                 self.loader.clear()
             if self.prerouting is not None:
@@ -247,11 +253,34 @@ class StreamingRuntime:
             return self.whole_layer
         return self.decode_fallback
 
+    def adapt_window(self, step: Stats) -> int:
+        """After ``step`` (a closed step's counters), grow an "auto" window by
+        the buffers :func:`~mlx_edge0.prerouting.grown_window` asks for, from
+        the prerouted layers' exposed wait and the step's wall time. Called
+        when a step opens, before its fills are planned (or by a caller
+        between forwards); other windows never change. Returns the window's
+        depth."""
+        if self.options.staged_window == "auto" and self.prerouting is not None:
+            depth = grown_window(len(self.window), step.prerouted_wait_s, step.step_s, self.window_limit)
+            while len(self.window) < depth:
+                buffer = self._window_buffer()
+                self.window.append(buffer)
+                self.prerouting.add_window_buffer(buffer)
+        return len(self.window)
+
+    def _window_buffer(self) -> StagingBuffer:
+        return StagingBuffer(self.store, -1, self.window_slots, self.pool_dtype)
+
     def heads_nbytes(self) -> int:
         return sum(v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters()))
 
-    def staged_nbytes(self) -> int:
-        return sum(b.nbytes for b in [*self.staging.values(), *self.window])
+    def staged_nbytes(self, *, largest: bool = False) -> int:
+        """Bytes the staging buffers and the window hold; ``largest``: with an
+        "auto" window grown to its limit (what the hot cache's budget leaves
+        room for)."""
+        spare = self.window_limit - len(self.window) if largest else 0
+        row_bytes = SlotBuffers.row_nbytes(self.store.geometry, self.pool_dtype)
+        return sum(b.nbytes for b in [*self.staging.values(), *self.window]) + spare * self.window_slots * row_bytes
 
     def resident_bytes(self) -> dict[str, int]:
         return {
@@ -262,7 +291,8 @@ class StreamingRuntime:
         }
 
     def stats(self) -> dict:
-        """Summed and last-step counters, resident bytes per tier, peak memory."""
+        """Summed and last-step counters, resident bytes per tier, peak
+        memory, the staged window's depth (buffers now; 0: none)."""
         return {
             **self.telemetry.summed().as_dict(),
             "last_step": self.telemetry.last_step.as_dict(),
@@ -270,6 +300,7 @@ class StreamingRuntime:
             "peak_memory": mx.get_peak_memory(),
             "decode_path": self.decode.name,
             "prerouter": self.prerouting is not None,
+            "staged_window": len(self.window),
         }
 
     def close(self) -> None:

@@ -16,7 +16,8 @@ id -> slot) turns routed indices into rows with a ``take``.
 
 A window (``Options.staged_window``) is a few of these buffers that
 the prerouted layers take in turn (:meth:`StagingBuffer.retarget`), filled
-while the layers a couple of places before them compute.
+while the layers a couple of places before them compute; an "auto" window
+gets more of them between steps.
 """
 
 from __future__ import annotations

@@ -363,10 +363,11 @@ class ReadBatch:
         there is raised again by whoever reads that data for real)."""
         wait_all(self.futures)
 
-    def wait(self) -> None:
-        """Block until every read landed; raise the first failure (after all ended)."""
+    def wait(self) -> float:
+        """Block until every read landed; raise the first failure (after all
+        ended). Returns the seconds this call blocked (counted as exposed wait)."""
         if self._waited:
-            return
+            return 0.0
         t0 = time.perf_counter()
         nbytes = 0
         error = None
@@ -376,8 +377,9 @@ class ReadBatch:
             except BaseException as e:
                 error = error or e
         self._waited = True
+        waited = time.perf_counter() - t0
         stats = self.telemetry.current
-        stats.exposed_wait_s += time.perf_counter() - t0
+        stats.exposed_wait_s += waited
         if error is not None:
             stats.read_errors += 1
             if self.on_error is not None:
@@ -386,6 +388,7 @@ class ReadBatch:
         stats.expert_loads += self.loads
         stats.bytes_read += nbytes
         stats.reads += len(self.futures)
+        return waited
 
 
 class ExpertStore:

@@ -7,6 +7,7 @@ integer additions per MoE layer, cheap enough to leave on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -22,6 +23,10 @@ class Stats:
         bytes_read: bytes read from disk (alignment padding included).
         reads: ``preadv`` calls (coalesced runs).
         exposed_wait_s: time the compute thread blocked waiting for reads.
+        prerouted_wait_s: the part of ``exposed_wait_s`` spent on prerouted
+            layers' fills (what a deeper staged window would hide).
+        step_s: wall time from a step's opening to the next one's (the host's
+            work between forwards included); 0 while the step is open.
         hot_hits / hot_misses: routed experts found / not found in the hot cache.
         staged_kept / staged_copied / staged_read: slots of staging buffers
             already holding the expert, filled by copying a resident bundle,
@@ -40,6 +45,8 @@ class Stats:
     bytes_read: int = 0
     reads: int = 0
     exposed_wait_s: float = 0.0
+    prerouted_wait_s: float = 0.0
+    step_s: float = 0.0
     hot_hits: int = 0
     hot_misses: int = 0
     staged_kept: int = 0
@@ -58,8 +65,14 @@ class Stats:
         return self.staged_copied + self.staged_read
 
     def as_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["exposed_wait_ms"] = round(d.pop("exposed_wait_s") * 1e3, 3)
+        """Every counter by name; times in ms (``exposed_wait_s`` -> ``exposed_wait_ms``)."""
+        d = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s"):
+                d[f.name.removesuffix("_s") + "_ms"] = round(value * 1e3, 3)
+            else:
+                d[f.name] = value
         d["slot_rewrites"] = self.slot_rewrites
         return d
 
@@ -81,13 +94,20 @@ class Telemetry:
     last_step: Stats = field(default_factory=Stats)
     routing_trace: Optional[list[tuple[int, list[int]]]] = None
     read_trace: Optional[list[tuple[int, list[int]]]] = None
+    opened_at: float = 0.0  # time.perf_counter() when the running step opened
 
-    def begin_step(self, tokens: int) -> None:
-        """Close the running step (if any) and open a new one."""
+    def begin_step(self, tokens: int) -> Optional[Stats]:
+        """Close the running step (if any) and open a new one; returns the
+        closed step (its ``step_s`` set), or None."""
+        now = time.perf_counter()
+        closed = None
         if self.current.steps:
-            self.last_step = self.current
+            self.current.step_s = now - self.opened_at
+            closed = self.last_step = self.current
             self.total = self.total + self.current
         self.current = Stats(steps=1, tokens=tokens)
+        self.opened_at = now
+        return closed
 
     def summed(self) -> Stats:
         return self.total + self.current
@@ -115,7 +135,8 @@ def format_stats(stats: dict) -> str:
         f"  hot cache       {hits} hits, {misses} misses{hit_rate}",
         f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
         f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",
-        f"  prerouted       {stats['prerouted']} layer calls",
+        f"  prerouted       {stats['prerouted']} layer calls, {stats['prerouted_wait_ms']:.1f} ms exposed wait, "
+        + (f"a staged window of {stats['staged_window']}" if stats["staged_window"] else "no staged window"),
         f"  resident        {resident}",
         f"  peak memory     {human_bytes(stats['peak_memory'])} (MLX)",
     ]

@@ -35,14 +35,15 @@ class FakeReads:
     def settle(self) -> None:
         pass
 
-    def wait(self) -> None:
+    def wait(self) -> float:
         if self.waited:
-            return
+            return 0.0
         self.waited = True
         if self.error is not None:
             self.telemetry.current.read_errors += 1
             raise self.error
         self.telemetry.current.expert_loads += self.loads
+        return 0.0  # landed already: no wait
 
 
 class FakeStore:

@@ -183,22 +183,28 @@ def test_bypass_arm_decodes_the_same_tokens_as_the_cached_arm(converted):
     assert bypass["device_bytes_per_token"] >= bypass["counters_per_token"]["bytes_read"]
 
 
-def test_window_arm_decodes_the_prerouter_arms_tokens_in_fewer_staged_rows():
+def test_window_arms_decode_the_prerouter_arms_tokens_in_fewer_staged_rows():
     """``edge0-prerouter-window`` is the prerouter with a staged window: same
-    tokens, fewer staged bytes (the default model has 5 prerouted layers)."""
+    tokens, fewer staged bytes (the default model has 5 prerouted layers);
+    ``-auto`` records the depth its window grew to."""
+    from mlx_edge0.bench.runner import run_metrics
     from mlx_edge0.default_model import default_checkpoint
 
     path = default_checkpoint()
-    runs = {arm: run_child(RunSpec(arm, path, 8, 6, "float32", 0), timeout_s=120)
-            for arm in ("edge0-prerouter@0", "edge0-prerouter-window@0")}  # fmt: skip
-    assert all(r["ok"] for r in runs.values()), [r.get("stderr_tail") for r in runs.values()]
-    pre, window = runs["edge0-prerouter@0"], runs["edge0-prerouter-window@0"]
-    assert pre["tokens"] == window["tokens"]
+    arms = ("edge0-prerouter@0", "edge0-prerouter-window@0", "edge0-prerouter-window-auto@0")
+    runs = [run_child(RunSpec(arm, path, 8, 6, "float32", 0), timeout_s=120) for arm in arms]
+    assert all(r["ok"] for r in runs), [r.get("stderr_tail") for r in runs]
+    pre, window, auto = runs
+    assert pre["tokens"] == window["tokens"] == auto["tokens"]
     # the same routing, recorded per decoded token (prerouted layers included)
     assert pre["locality"] == window["locality"] and pre["locality"]["tokens"] == 6
     assert 4 <= pre["locality"]["mean_distinct"] <= 16 and 0 <= pre["locality"]["mean_reuse"] <= 1
     assert window["counters_per_token"]["prerouted"] == pre["counters_per_token"]["prerouted"] > 0
     assert window["resident_bytes"]["staged"] * 5 == pre["resident_bytes"]["staged"] * 4
+    assert (pre["staged_window"], window["staged_window"]) == (0, 4) and 3 <= auto["staged_window"] <= 5
+    assert auto["resident_bytes"]["staged"] * 5 == pre["resident_bytes"]["staged"] * auto["staged_window"]
+    assert run_metrics(auto)["staged_window"] == auto["staged_window"]
+    assert all("prerouted_wait_ms" in step for step in auto["decode_step_counters"])
 
 
 def test_hot_arm_replays_its_decode_trace_against_beladys_min():

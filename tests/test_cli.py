@@ -71,13 +71,22 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_staged_window_flag_reaches_the_model_and_bad_values_fail_clearly():
-    staged = {}
-    for window in ("0", "3"):  # the default model has 5 prerouted layers
+    staged, depth = {}, {}
+    for window in ("0", "3", "auto"):  # the default model has 5 prerouted layers
         r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", window, "--json"])
         assert r.exit_code == 0, r.output
         stats = json.loads(r.output[r.output.index("{") :])["edge0_stats"]
         assert stats["prerouted"] > 0
-        staged[window] = stats["resident_bytes"]["staged"]
-    assert staged["3"] * 5 == staged["0"] * 3
+        staged[window], depth[window] = stats["resident_bytes"]["staged"], stats["staged_window"]
+    assert staged["3"] * 5 == staged["0"] * 3 and depth["0"] == 0 and depth["3"] == 3
+    assert 3 <= depth["auto"] <= 5 and staged["auto"] * 5 == staged["0"] * depth["auto"]  # grown or not, by timing
     r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", "2"])
-    assert r.exit_code == 1 and "staged_window must be 0 (a buffer per prerouted layer) or an integer >= 3" in r.output
+    assert r.exit_code == 1
+    assert (
+        "staged_window must be 0 (a buffer per prerouted layer), an integer >= 3 (that many buffers) or 'auto'"
+        in r.output
+    )
+    r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", "deep"])
+    assert r.exit_code == 2 and "'deep': use 0, an integer >= 3 or 'auto'" in r.output
+    r = CliRunner().invoke(main, ["generate", "--max-tokens", "6", "--staged-window", "auto", "--stats"])
+    assert r.exit_code == 0 and "ms exposed wait, a staged window of " in r.output, r.output

@@ -17,7 +17,15 @@ from mlx_edge0.expert_math import expert_glu
 from mlx_edge0.hot import HotCache
 from mlx_edge0.paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from mlx_edge0.prefill import WholeLayerLoader
-from mlx_edge0.prerouting import HOST_AHEAD, Prerouting, fills_at_open, refill_at, window_buffer
+from mlx_edge0.prerouting import (
+    HOST_AHEAD,
+    WINDOW_WAIT_SHARE,
+    Prerouting,
+    fills_at_open,
+    grown_window,
+    refill_at,
+    window_buffer,
+)
 from mlx_edge0.routing import softmax_topk
 from mlx_edge0.staging import StagingBuffer
 from mlx_edge0.store import ExpertReadError
@@ -129,6 +137,16 @@ def test_window_fills_each_consumer_once_ahead_of_it_and_after_its_buffer_is_fre
     assert list(fills_at_open(consumers, 0)) == list(range(consumers)) and refill_at(5, 0) is None
 
 
+def test_an_auto_window_grows_by_one_while_reads_stall_compute_up_to_a_buffer_per_layer():
+    assert WINDOW_WAIT_SHARE == 0.05
+    assert grown_window(3, wait_s=0.06, step_s=1.0, limit=5) == 4  # waited 6% of the step
+    assert grown_window(3, wait_s=0.05, step_s=1.0, limit=5) == 3  # at the share: deep enough
+    assert grown_window(4, wait_s=0.0, step_s=1.0, limit=5) == 4  # never shrinks
+    assert grown_window(4, wait_s=0.9, step_s=1.0, limit=5) == 5
+    assert grown_window(5, wait_s=0.9, step_s=1.0, limit=5) == 5  # one buffer per prerouted layer at most
+    assert grown_window(3, wait_s=0.2, step_s=0.0, limit=5) == 3  # no step time: nothing to compare with
+
+
 # --------------------------------------------------------------- prerouting
 
 
@@ -215,6 +233,30 @@ def test_the_hot_cache_keeps_what_prerouted_fills_read(window):
     assert len(hot.row_of) == 5 * K and {layer for layer, _ in hot.row_of} == set(LAYERS[1:])
     read, from_memory = step()
     assert read == 0 and from_memory == 5 * K
+
+
+def test_a_window_grown_between_steps_computes_the_predicted_routing_from_its_fills():
+    """Each step's ranks map to the window as long as it is then; a buffer
+    whose rank now maps it to another layer forgets what it held."""
+    store = FakeStore(LAYERS)
+    pre, heads = _prerouting(store, window=3)
+    x = _x(store, 1, 1)
+    layers = []
+    for depth in (3, 4, 5):
+        if depth > len(pre.window):
+            pre.add_window_buffer(StagingBuffer(store, -1, K, None))
+        pre.bind(_decode_state(pre, heads, [True]))
+        pre.begin_forward(1, x)
+        assert sum(p.fill is not None for p in pre.planned.values()) == depth
+        with pytest.raises(AssertionError, match="between steps"):
+            pre.add_window_buffer(StagingBuffer(store, -1, K, None))
+        for consumer in LAYERS[1:]:
+            plan = pre.take(consumer)
+            got = pre.experts(consumer, x, plan.inds, plan)
+            assert mx.array_equal(got, expert_glu(x, plan.inds, store.weights(consumer))).item()
+        pre.bind(None)
+        layers.append([b.layer for b in pre.window])
+    assert layers == [[4, 5, 3], [5, 2, 3, 4], [1, 2, 3, 4, 5]]
 
 
 def test_unconsumed_plans_are_dropped_and_their_buffers_forgotten():

@@ -7,7 +7,7 @@ import pytest
 
 import mlx_edge0
 from mlx_edge0.hot import hot_capacity
-from mlx_edge0.options import GIB, Options
+from mlx_edge0.options import GIB, Options, parse_staged_window
 from mlx_edge0.slots import SlotBuffers
 
 
@@ -20,8 +20,15 @@ from mlx_edge0.slots import SlotBuffers
         ("cache_gib", "big", "cache_gib must be 'auto' or a number"),
         ("hot_policy", "fifo", "hot_policy must be one of lfu, lru"),
         ("staged_slots", -2, "staged_slots must be an integer >= 0"),
-        ("staged_window", 2, r"staged_window must be 0 \(a buffer per prerouted layer\) or an integer >= 3, got 2"),
+        (
+            "staged_window",
+            2,
+            r"staged_window must be 0 \(a buffer per prerouted layer\), an integer >= 3 "
+            r"\(that many buffers\) or 'auto' \(from 3, grown while reads stall compute\), got 2",
+        ),
         ("staged_window", -1, "staged_window must be 0"),
+        ("staged_window", "deep", "staged_window must be 0 .* or 'auto' .*, got 'deep'"),
+        ("staged_window", 3.5, "staged_window must be 0 .* or 'auto' .*, got 3.5"),
         ("prefill", "chunked", "prefill must be one of auto, whole-layer, exact"),
         ("page_cache", "drop-all", "page_cache must be one of keep, drop-prefill, bypass"),
     ],
@@ -29,6 +36,14 @@ from mlx_edge0.slots import SlotBuffers
 def test_invalid_options_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message):
         Options(**{field: value})
+
+
+def test_staged_window_takes_0_an_integer_from_3_or_auto():
+    for value in (0, 3, 8, "auto"):
+        assert Options(staged_window=value).staged_window == value
+    assert parse_staged_window("auto") == "auto" and parse_staged_window("4") == 4
+    with pytest.raises(ValueError, match="'deep': use 0, an integer >= 3 or 'auto'"):
+        parse_staged_window("deep")
 
 
 def test_unknown_option_names_are_refused(converted):

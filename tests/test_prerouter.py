@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import Callable
 
 import mlx.core as mx
 import pytest
@@ -16,6 +17,8 @@ from mlx_edge0.cli import main
 from mlx_edge0.prerouter_heads import PREROUTER_FILE, PrerouterHead, PrerouterSpec, init_heads, save_heads, topk_onehot
 from mlx_edge0.streaming import StreamingMoE
 from mlx_edge0.tensorfile import read_header
+
+from mlx_edge0.telemetry import Stats
 
 from conftest import FAMILIES, load_stock
 from test_equivalence import greedy
@@ -301,13 +304,21 @@ def test_prediction_state_lives_in_the_cache(with_heads, tmp_path):
     assert type(make_prompt_cache(off, max_kv_size=16)[0]).__name__ == "RotatingKVCache"
 
 
-def _greedy_logprobs(model, ids: list[int], n: int) -> tuple[list[int], mx.array]:
+def _greedy_logprobs(
+    model, ids: list[int], n: int, between: Callable[[int], None] = lambda step: None
+) -> tuple[list[int], mx.array]:
+    """Greedy tokens and log-probabilities; ``between(i)`` runs after the
+    i-th token is out (between forwards)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
+    tokens, logprobs = [], []
     steps = generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=make_prompt_cache(model))
-    tokens, logprobs = zip(*((int(t), lp) for t, lp in steps))
-    return list(tokens), mx.stack(logprobs)
+    for i, (token, lp) in enumerate(steps):
+        tokens.append(int(token))
+        logprobs.append(lp)
+        between(i)
+    return tokens, mx.stack(logprobs)
 
 
 @pytest.mark.parametrize("cache_gib", [0, 0.001], ids=["no-hot", "hot"])
@@ -348,3 +359,45 @@ def test_staged_window_with_fewer_prerouted_layers_is_one_buffer_each(with_heads
     model = mlx_edge0.load_model(path, staged_window=4)
     assert len(model.edge0_runtime.window) == 2
     assert greedy(model, _prompt_ids(path), 20) == greedy(mlx_edge0.load_model(path), _prompt_ids(path), 20)
+
+
+def test_an_auto_window_computes_the_same_numbers_and_grows_after_steps_that_waited():
+    """``staged_window="auto"`` starts at 3 buffers and adds one after a step
+    whose prerouted layers waited more than 5% of it, up to one per prerouted
+    layer: whatever its depth, the numbers are those of 0 and of 3 buffers.
+    The hot cache was sized against the largest window from the start."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_edge0.default_model import default_checkpoint
+
+    path = default_checkpoint()
+    ids = load_tokenizer(path).encode(PROMPTS[0])
+    per_layer = mlx_edge0.load_model(path, cache_gib=0)
+    want = _greedy_logprobs(per_layer, ids, 24)
+    three = _greedy_logprobs(mlx_edge0.load_model(path, cache_gib=0, staged_window=3), ids, 24)
+    assert three[0] == want[0] and mx.array_equal(three[1], want[1]).item()
+
+    auto = mlx_edge0.load_model(path, cache_gib=0, staged_window="auto")
+    rt = auto.edge0_runtime
+    largest = per_layer.edge0_runtime.staged_nbytes()
+    assert len(rt.window) == 3 and rt.window_limit == 5 and rt.staging == {}
+    assert auto.stats()["staged_window"] == 3 and auto.stats()["resident_bytes"]["staged"] * 5 == largest * 3
+    assert rt.staged_nbytes(largest=True) == largest
+    stalled = Stats(steps=1, prerouted=5, prerouted_wait_s=0.2, step_s=1.0)  # waited 20% of the step
+    depths = []  # (before, after) each forced step close
+
+    def stall(step: int) -> None:
+        if step in (5, 11, 17):
+            before = len(rt.window)
+            depths.append((before, rt.adapt_window(stalled)))
+
+    got = _greedy_logprobs(auto, ids, 24, between=stall)
+    assert got[0] == want[0] and mx.array_equal(got[1], want[1]).item()
+    assert all(after == min(before + 1, 5) for before, after in depths) and len(rt.window) == 5
+    assert auto.stats()["staged_window"] == 5 and auto.stats()["resident_bytes"]["staged"] == largest
+    assert rt.staged_nbytes(largest=True) == largest
+    s = auto.stats()
+    assert s["prerouted"] == 5 * (s["steps"] - 1) and s["step_ms"] > 0 and s["prerouted_wait_ms"] >= 0
+    assert rt.adapt_window(stalled) == 5  # no further: that is every prerouted layer's buffer
+    fixed = mlx_edge0.load_model(path, cache_gib=0, staged_window=3).edge0_runtime
+    assert fixed.adapt_window(stalled) == 3  # a set window never changes

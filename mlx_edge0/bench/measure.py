@@ -30,24 +30,26 @@ ARMS = ("stock", "edge0-exact", "edge0-hot", "edge0-staged", "edge0-prerouter") 
 STAGED_WINDOW = 4  # the window arm's buffers: reads about two prerouted layers ahead
 # llama.cpp on the same model as a GGUF (bench/gguf_peer.py, bench/llamacpp.py), by load mode.
 PEER_ARMS = {"llamacpp": "mmap", "llamacpp-direct": "direct-io"}
-KNOWN_ARMS = ARMS + ("edge0-prerouter-window",) + tuple(PEER_ARMS)
-BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter", "edge0-prerouter-window")
-# Load options per edge0 arm. Staged uses the routing of the current step;
-# the window arm is the prerouter with STAGED_WINDOW shared staged buffers;
-# hot, staged and the prerouter arms take a hot-cache budget: ARM@GiB.
+WINDOW_ARMS = ("edge0-prerouter-window", "edge0-prerouter-window-auto")
+KNOWN_ARMS = ARMS + WINDOW_ARMS + tuple(PEER_ARMS)
+BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter", *WINDOW_ARMS)
+# Load options per edge0 arm. Staged uses the routing of the current step; the window
+# arms are the prerouter with STAGED_WINDOW shared staged buffers or an "auto" window (a
+# run records its final depth); hot, staged and the prerouter arms take a budget: ARM@GiB.
 ARM_OPTIONS = {
     "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact", prerouter=False),
     "edge0-hot": dict(staged=False, prefill="auto", prerouter=False),
     "edge0-staged": dict(staged=True, prefill="auto", prerouter=False),
     "edge0-prerouter": dict(staged=False, prefill="auto", prerouter=True),
     "edge0-prerouter-window": dict(staged=False, prefill="auto", prerouter=True, staged_window=STAGED_WINDOW),
+    "edge0-prerouter-window-auto": dict(staged=False, prefill="auto", prerouter=True, staged_window="auto"),
 }
 DTYPES = ("float32", "bfloat16", "float16", "native")
 WARMUP_STEPS = 2
 PROFILE_TOP = 15
 # Counters kept per decode step (differences of the model's summed counters).
 STEP_COUNTERS = (
-    "exposed_wait_ms", "expert_loads", "bytes_read", "reads", "hot_hits", "hot_misses",
+    "exposed_wait_ms", "prerouted_wait_ms", "expert_loads", "bytes_read", "reads", "hot_hits", "hot_misses",
     "staged_kept", "staged_copied", "staged_read", "prerouted",
 )  # fmt: skip
 
@@ -197,13 +199,13 @@ def _vocab_size(path: Path) -> int:
 
 
 def _counters(model) -> Optional[dict]:
-    """Numeric summed counters of an edge0 model (None for stock)."""
+    """The summed counters of an edge0 model (the telemetry's ``Stats``; None for stock)."""
     if not hasattr(model, "stats"):
         return None
-    return {
-        k: v for k, v in model.stats().items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "peak_memory"
-    }  # fmt: skip
+    from mlx_edge0.telemetry import Stats
+
+    counters = Stats().as_dict()
+    return {k: v for k, v in model.stats().items() if k in counters}
 
 
 def _reset_counters(model) -> None:
@@ -385,7 +387,8 @@ def measure(spec: RunSpec) -> dict:
     if profile:
         record["profile_top"] = _profile_top(profile, spec.decode_tokens)
     if decode_counters is not None:
-        record["resident_bytes"] = model.stats()["resident_bytes"]
+        final = model.stats()
+        record["resident_bytes"], record["staged_window"] = final["resident_bytes"], final["staged_window"]
         record["decode_counters"] = decode_counters
         record["decode_step_counters"] = per_step
         record["counters_per_token"] = {k: v / spec.decode_tokens for k, v in decode_counters.items()}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .charts import Bar, Point, hbar_chart, line_chart, stacked_hbar_chart
-from .measure import BUDGET_ARMS, split_arm
+from .measure import BUDGET_ARMS, WINDOW_ARMS, split_arm
 from .runner import summarize
 from .tables import (
     GIB,
@@ -37,7 +37,7 @@ TARGETS = {"qwen3.5-35b-a3b": (2.5, 1.0), "ling-3.0-tiny": (1.0, 1.0)}
 PROFILE_ROWS = 10
 BUDGET_AXIS = "hot cache budget (GiB)"
 # Arms whose per-step exposed wait is charted (on-demand and prerouted).
-PREROUTED_ARMS = ("edge0-prerouter", "edge0-prerouter-window")
+PREROUTED_ARMS = ("edge0-prerouter", *WINDOW_ARMS)
 STEP_WAIT_ARMS = ("edge0-exact", "edge0-hot") + PREROUTED_ARMS
 
 

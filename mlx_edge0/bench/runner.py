@@ -260,6 +260,8 @@ def run_metrics(r: dict) -> dict:
             m["staged_hit_rate"] = (staged - c.get("staged_read", 0)) / staged
     if "device_bytes_per_token" in r:
         m["device_bytes_per_token"] = r["device_bytes_per_token"]
+    if "staged_window" in r:  # edge0 arms: buffers at the end (an "auto" window grows)
+        m["staged_window"] = r["staged_window"]
     replay = r.get("eviction_replay", {})
     if c and replay.get("routings_per_token"):  # every tier's loads against every routing: reads avoided
         m["hit_rate"] = 1 - c.get("expert_loads", 0) / replay["routings_per_token"]

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 from ..checkpoint import read_config, text_config
 from ..progress import bar, note
-from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, arm_base, checkpoint_files, parse_arm
+from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, WINDOW_ARMS, arm_base, checkpoint_files, parse_arm
 from .runner import (
     CODE_ROOT,
     BenchOptions,
@@ -51,8 +51,8 @@ from .runner import (
 from .synth import SynthOptions, source_config, synth_checkpoint, synthetic_origin
 
 PHASES = ("main", "low-k", "sweep", "low-k-pressure", "profile")
-PRESSURE_ARMS = ("edge0-exact", "edge0-hot", "edge0-prerouter", "edge0-prerouter-window")
-PROFILE_ARMS = ("edge0-exact", "edge0-prerouter", "edge0-prerouter-window")
+PRESSURE_ARMS = ("edge0-exact", "edge0-hot", "edge0-prerouter", *WINDOW_ARMS)
+PROFILE_ARMS = ("edge0-exact", "edge0-prerouter", *WINDOW_ARMS)
 HEADS_TIMEOUT_S = 3600.0
 
 

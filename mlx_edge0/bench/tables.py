@@ -16,6 +16,7 @@ GIB, MB = 2**30, 1e6
 ARM_LABELS = {
     "edge0-staged": "edge0-staged (current-step routing)",
     "edge0-prerouter-window": f"edge0-prerouter, staged window of {STAGED_WINDOW}",
+    "edge0-prerouter-window-auto": "edge0-prerouter, staged window auto",
 }
 
 
