@@ -120,12 +120,14 @@ def synth(
     type=click.Choice(RESIDENT_TYPES),
     default="f16",
     show_default=True,
-    help="Type of the attention, embedding and LM-head matrices: dequantized (f16, f32) or requantized "
-    "like the experts (q4_0: the int4 checkpoint's bytes, for memory-capped runs). Router and norms are F32.",
+    help="Type of the attention, shared-expert, embedding and LM-head matrices: dequantized (f16, f32) or "
+    "requantized like the experts (q4_0: the int4 checkpoint's bytes, for memory-capped runs). Routers, gates "
+    "and norms are F32.",
 )
 def gguf(stock: Path, out: Optional[Path], resident_type: str):
-    """Write the stock qwen3_moe checkpoint STOCK as a GGUF for the llama.cpp arms
-    (experts requantized to Q4_0) [default OUT: STOCK.gguf beside STOCK]. Needs the peers extra."""
+    """Write the stock qwen3_moe or qwen3_5_moe checkpoint STOCK as a GGUF for the llama.cpp arms
+    (llama.cpp's qwen3moe / qwen35moe; experts requantized to Q4_0) [default OUT: STOCK.gguf beside
+    STOCK]. Needs the peers extra."""
     from .gguf_peer import GGUFConversionError, write_gguf
 
     out = out or peer_gguf_path(stock)
@@ -134,7 +136,8 @@ def gguf(stock: Path, out: Optional[Path], resident_type: str):
     except GGUFConversionError as e:
         raise click.ClickException(str(e)) from None
     click.echo(
-        f"Wrote {out}: {report.file_bytes / 1e9:.2f} GB ({report.expert_bytes / 1e9:.2f} GB Q4_0 experts), "
+        f"Wrote {out} ({report.arch}): {report.file_bytes / 1e9:.2f} GB "
+        f"({report.expert_bytes / 1e9:.2f} GB Q4_0 experts), "
         f"{report.tensors} tensors, {report.seconds:.1f} s; Q4_0 requantization error of the experts: "
         f"{report.expert_rel_error:.2%} relative, {report.expert_max_abs_error:.3g} max abs"
     )

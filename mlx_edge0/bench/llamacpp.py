@@ -28,6 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .peers import peers_package
+
 LOAD_MODES = ("mmap", "direct-io")
 TOPK_PREFIX = b"ffn_moe_topk-"  # llama.cpp's name for a MoE layer's routed ids ([K, tokens], int32)
 GGML_TYPE_I32 = 26
@@ -58,11 +60,7 @@ class LlamaCppError(RuntimeError):
 
 
 def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError:
-        raise LlamaCppError('the llama.cpp arm needs the peers extra: pip install -e ".[peers]"') from None
-    return llama_cpp
+    return peers_package("llama_cpp", LlamaCppError, "the llama.cpp arm")
 
 
 def llama_cpp_version() -> str:
