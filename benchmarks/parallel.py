@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_edge0.bench.measure import device_read_bytes
+from mlx_edge0.options import parse_cache_gib
 
 WARMUP = 2
 GIB, MB = 1 << 30, 1e6
@@ -51,7 +52,11 @@ def rank_main(args: argparse.Namespace) -> None:
     group = mx.distributed.init()
     size = group.size()
     model = mlx_edge0.load_model(
-        args.model, group=group if size > 1 else None, parallel=args.parallel, page_cache=args.page_cache
+        args.model,
+        group=group if size > 1 else None,
+        parallel=args.parallel,
+        page_cache=args.page_cache,
+        cache_gib=args.cache_gib,
     )
     model.limit_buffer_cache()
     section = model.edge0_section
@@ -246,6 +251,12 @@ def main() -> None:
         "--parallel", default="expert", choices=("expert", "pipeline"), help="Mode of arms that name none."
     )
     parser.add_argument("--page-cache", default="keep", choices=("keep", "drop-prefill", "bypass"))
+    parser.add_argument(
+        "--cache-gib",
+        default="auto",
+        type=parse_cache_gib,
+        help="Hot-cache budget of each process ('auto', or GiB: more than its experts holds every one of them).",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=16)
@@ -261,6 +272,7 @@ def main() -> None:
     args.worker_args = [
         str(args.model),
         f"--page-cache={args.page_cache}",
+        f"--cache-gib={args.cache_gib}",
         f"--prompt-tokens={args.prompt_tokens}",
         f"--decode-tokens={args.decode_tokens}",
     ]
