@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
-from mlx_edge0 import store as store_module
+from mlx_edge0 import reads as reads_module
 from mlx_edge0.checkpoint import expert_file
 from mlx_edge0.cli import main
 from mlx_edge0.store import ExpertReadError
@@ -136,7 +136,7 @@ def test_worker_exception_is_raised_in_the_caller_never_hangs(ckpt, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("widening failed")
 
-    monkeypatch.setattr(store_module, "_convert", broken)
+    monkeypatch.setattr(reads_module, "_convert", broken)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="widening failed"):
         greedy(model, PROMPT, N)

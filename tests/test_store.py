@@ -14,7 +14,7 @@ import pytest
 
 import mlx_edge0
 from mlx_edge0.checkpoint import Edge0Section, expert_file, read_config
-from mlx_edge0 import store as store_module
+from mlx_edge0 import reads as reads_module
 from mlx_edge0.store import ExpertReadError, ExpertStore, plan_reads
 from mlx_edge0.tensorfile import TensorFileError
 from mlx_edge0.streaming import StreamingMoE
@@ -43,7 +43,7 @@ def _store(path, io_threads=2, bypass_page_cache=False):
 @pytest.mark.parametrize("ids", [[0], [3, 4, 5, 6], [0, 2, 15], list(range(16))])
 def test_read_is_byte_exact(converted, ids, bypass, monkeypatch):
     # a bounce buffer smaller than a coalesced run: chunks cross parts and experts
-    monkeypatch.setattr(store_module, "DIRECT_CHUNK", 3 * store_module.DIRECT_BLOCK)
+    monkeypatch.setattr(reads_module, "DIRECT_CHUNK", 3 * reads_module.DIRECT_BLOCK)
     path = converted("qwen3_moe").edge0
     store, section = _store(path, bypass_page_cache=bypass)
     layer = section.moe_layers[1]
@@ -111,28 +111,28 @@ def test_exact_path_vs_dequantized_fp32(converted, family):
     assert rel < 1e-5  # only summation order differs from fp64 math
 
 
-@pytest.mark.skipif(not store_module.DIRECT_FLAG, reason="O_DIRECT is Linux's")
+@pytest.mark.skipif(not reads_module.DIRECT_FLAG, reason="O_DIRECT is Linux's")
 def test_direct_reads_land_any_range_in_any_views(tmp_path, monkeypatch):
     """Unaligned offsets and view sizes, chunks smaller than the range: the
     bytes are the file's, exactly, and a range past the end is a short read."""
-    monkeypatch.setattr(store_module, "DIRECT_CHUNK", 2 * store_module.DIRECT_BLOCK)
+    monkeypatch.setattr(reads_module, "DIRECT_CHUNK", 2 * reads_module.DIRECT_BLOCK)
     data = np.random.default_rng(0).integers(0, 256, 50_000, dtype=np.uint8)
     f = tmp_path / "bytes"
     f.write_bytes(data.tobytes())
-    fd = store_module.open_for_reads(f, bypass_page_cache=True)
+    fd = reads_module.open_for_reads(f, bypass_page_cache=True)
     try:
         for offset, sizes in [(0, [4096]), (1, [3]), (4095, [2, 9000, 1]), (12345, [1, 1, 20000]), (40000, [10000])]:
             views = [memoryview(bytearray(n)) for n in sizes]
-            assert store_module._pread_direct(fd, views, offset, f) == sum(sizes)
+            assert reads_module._pread_direct(fd, views, offset, f) == sum(sizes)
             got = np.concatenate([np.frombuffer(v, np.uint8) for v in views])
             assert np.array_equal(got, data[offset : offset + sum(sizes)]), (offset, sizes)
         with pytest.raises(ExpertReadError, match=r"bytes: short read 5000/10001 bytes at offset 45000"):
-            store_module._pread_direct(fd, [memoryview(bytearray(10001))], 45000, f)
+            reads_module._pread_direct(fd, [memoryview(bytearray(10001))], 45000, f)
     finally:
         os.close(fd)
 
 
-@pytest.mark.skipif(not store_module.DIRECT_FLAG, reason="O_DIRECT is Linux's")
+@pytest.mark.skipif(not reads_module.DIRECT_FLAG, reason="O_DIRECT is Linux's")
 def test_direct_reads_of_whole_pages_land_in_place(tmp_path, monkeypatch):
     """Destinations that are whole pages at page-aligned addresses (slot
     buffer rows; the widening scratch) are filled by O_DIRECT itself, with no
@@ -143,7 +143,7 @@ def test_direct_reads_of_whole_pages_land_in_place(tmp_path, monkeypatch):
     def no_bounce(*args):
         raise AssertionError("went through the bounce buffer")
 
-    monkeypatch.setattr(store_module, "_pread_direct", no_bounce)
+    monkeypatch.setattr(reads_module, "_pread_direct", no_bounce)
     data = np.random.default_rng(1).integers(0, 256, 10 * PAGE + 100, dtype=np.uint8)
     f = tmp_path / "bytes"
     f.write_bytes(data.tobytes())
@@ -151,15 +151,15 @@ def test_direct_reads_of_whole_pages_land_in_place(tmp_path, monkeypatch):
     scales = page_aligned_zeros((PAGE,), mx.float32)  # one page of bf16 on disk, widened
     views = [memoryview(a).cast("B") for a in (weight, scales)]
     assert all(address(v) % PAGE == 0 for v in views)
-    fd = store_module.open_for_reads(f, bypass_page_cache=True)
+    fd = reads_module.open_for_reads(f, bypass_page_cache=True)
     try:
         parts = [(views[0], 2 * PAGE), (views[1], 2 * PAGE)]
-        assert store_module._read_run(fd, parts, PAGE, f, "BF16", "F32", False, True) == 4 * PAGE
+        assert reads_module.read_run(fd, parts, PAGE, f, "BF16", "F32", False, True) == 4 * PAGE
         assert np.array_equal(np.array(weight).view(np.uint8), data[PAGE : 3 * PAGE])
         bf16 = data[3 * PAGE : 5 * PAGE].view(np.uint16).astype(np.uint32) << 16
         assert np.array_equal(np.array(scales).view(np.uint32), bf16)
         with pytest.raises(ExpertReadError, match=rf"bytes: short read {2 * PAGE + 100}/{4 * PAGE} bytes"):
-            store_module._read_run(fd, parts, 8 * PAGE, f, "BF16", "F32", False, True)
+            reads_module.read_run(fd, parts, 8 * PAGE, f, "BF16", "F32", False, True)
     finally:
         os.close(fd)
 
@@ -180,11 +180,11 @@ def test_slot_buffer_parts_start_on_a_page(converted):
 def test_bypass_opens_every_layer_file_uncached(converted):
     store, section = _store(converted("qwen3_moe").edge0, bypass_page_cache=True)
     try:
-        if store_module.DIRECT_FLAG:
+        if reads_module.DIRECT_FLAG:
             import fcntl
 
             for lf in store.layers.values():
-                assert fcntl.fcntl(lf.fd, fcntl.F_GETFL) & store_module.DIRECT_FLAG
+                assert fcntl.fcntl(lf.fd, fcntl.F_GETFL) & reads_module.DIRECT_FLAG
     finally:
         store.close()
 
@@ -193,11 +193,11 @@ def test_filesystem_without_direct_reads_fails_at_load_naming_the_file(converted
     real_open = os.open
 
     def no_direct(path, flags, *args):
-        if flags & store_module.DIRECT_FLAG:
+        if flags & reads_module.DIRECT_FLAG:
             raise OSError(22, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(store_module, "DIRECT_FLAG", os.O_DIRECT if hasattr(os, "O_DIRECT") else 0x4000)
+    monkeypatch.setattr(reads_module, "DIRECT_FLAG", os.O_DIRECT if hasattr(os, "O_DIRECT") else 0x4000)
     monkeypatch.setattr(os, "open", no_direct)
     path = converted("qwen3_moe").edge0
     with pytest.raises(
