@@ -108,7 +108,7 @@ def rank_main(args: argparse.Namespace) -> None:
         "moe_layers": len(layers),
         "experts_read_per_layer": statistics.mean(len(read.get(i, ())) for i in layers) if layers else 0,
         "touched": {layer: sorted(ids) for layer, ids in touched.items()},
-        "resident_bytes": runtime.resident_bytes(),
+        "resident_bytes": model.stats()["resident_bytes"],
     }
     Path(args.rank_out, f"rank{group.rank()}.json").write_text(json.dumps(result))
 

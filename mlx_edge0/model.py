@@ -7,6 +7,12 @@ the stock constructor, after which every MoE block named in the checkpoint's
 ``edge0`` section is swapped for the family's streaming block. The stock
 block's lazily-initialised expert tensors are dropped before they are ever
 evaluated, so building the model allocates no expert memory.
+
+Under expert parallel the model also holds only this rank's rows of the
+vocabulary (:func:`mlx_edge0.parallel.split_vocabulary`): the embedding and
+LM head found at the family's ``vocab_paths`` are split as mlx-lm's loader
+hands the weights over (:meth:`Edge0Model.load_weights`), or in
+:meth:`Edge0Model.shard`.
 """
 
 from __future__ import annotations
@@ -17,13 +23,24 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm import __version__ as mlx_lm_version
 from mlx_lm.models.cache import KVCache
 
 from .checkpoint import CheckpointError, Edge0Section
 from .lora import attach, consumer_k, has_adapters, read_adapters
 from .options import Options
-from .parallel import ExpertShard, Parallel, check_same_checkpoint, pipeline_stage, ranks_on_host
+from .parallel import (
+    ExpertShard,
+    Parallel,
+    VocabShard,
+    check_same_checkpoint,
+    module_at,
+    pipeline_stage,
+    ranks_on_host,
+    split_vocabulary,
+)
 from .runtime import StreamingRuntime
 from .streaming import StreamingMoE
 
@@ -51,6 +68,9 @@ class Edge0Model:
     streaming_block: ClassVar[type[StreamingMoE]]
     # LoRA targets: projection name inside a decoder layer -> kind (see lora.py)
     lora_targets: ClassVar[dict[str, str]] = {}
+    # Where the stock model keeps its input embedding and its LM head (nothing
+    # there when the config ties the head to the embedding).
+    vocab_paths: ClassVar[tuple[str, str]]
 
     def __init__(self, args: Edge0Args):
         super().__init__(args.stock_args)
@@ -74,6 +94,7 @@ class Edge0Model:
             else None
         )
         self.edge0_options = args.options
+        self.edge0_vocab: Optional[VocabShard] = None  # this rank's rows of the vocabulary, once split
         self.edge0_runtime = StreamingRuntime(
             args.checkpoint_dir,
             args.section,
@@ -126,6 +147,22 @@ class Edge0Model:
             block.source = runtime
         runtime.attach(self._routes())
         self.edge0_runtime = runtime
+        self.edge0_vocab = split_vocabulary(self, *self.vocab_paths, group)
+
+    def load_weights(self, file_or_weights: Any, strict: bool = True) -> "Edge0Model":
+        """``nn.Module.load_weights``; then, under expert parallel, the split of
+        the vocabulary. mlx-lm's ``load_model`` calls it before it evaluates
+        the parameters, so the other ranks' rows are read but never kept."""
+        super().load_weights(file_or_weights, strict=strict)
+        shard = self.edge0_runtime.shard
+        if shard is not None and self.edge0_vocab is None:
+            self.edge0_vocab = split_vocabulary(self, *self.vocab_paths, shard.group)
+        return self
+
+    def vocab_modules(self) -> list[nn.Module]:
+        """The input embedding and the LM head (only the embedding when
+        tied): whole, or this rank's rows of them."""
+        return [m for m in (module_at(self, path) for path in self.vocab_paths) if m is not None]
 
     def _pipeline(self, args: Edge0Args) -> tuple[int, int]:
         """Keep only this rank's pipeline stage (mlx-lm's ``pipeline``):
@@ -224,8 +261,12 @@ class Edge0Model:
 
     def stats(self) -> dict:
         """Telemetry since load (or the last reset): summed counters, the last
-        step, resident bytes per tier, peak MLX memory."""
-        return self.edge0_runtime.stats()
+        step, resident bytes per tier (``vocab``: the embedding and LM head
+        this process holds), peak MLX memory."""
+        stats = self.edge0_runtime.stats()
+        vocab = sum(v.nbytes for m in self.vocab_modules() for _, v in tree_flatten(m.parameters()))
+        stats["resident_bytes"]["vocab"] = vocab
+        return stats
 
     def reset_stats(self) -> None:
         """Zero the telemetry and MLX's peak-memory counter (e.g. after warm-up)."""

@@ -3,10 +3,10 @@
 Thunderbolt, MPI).
 
 Expert parallel (:class:`ExpertShard`): every rank holds the resident weights
-(attention, norms, routers, shared experts) and routes every token itself;
-expert ``e`` of every MoE layer belongs to rank ``e mod N``. A rank reads,
-caches, stages and computes only the (token, slot) pairs routed to its own
-experts, writes their outputs into the slots of a zero ``[B, L, K, D]``
+(attention, norms, routers, shared experts, prerouter heads) and routes every
+token itself; expert ``e`` of every MoE layer belongs to rank ``e mod N``. A
+rank reads, caches, stages and computes only the (token, slot) pairs routed to
+its own experts, writes their outputs into the slots of a zero ``[B, L, K, D]``
 tensor, and one ``all_sum`` per MoE call combines the ranks' tensors. Every
 slot is written on exactly one rank and the others add zeros to it, so the
 sum *is* the single-process tensor (``v + 0 == v``), and the block mixes it
@@ -16,6 +16,17 @@ other pairs are multiplied with it (it does not on the CPU; tests check).
 Summing the mixed ``[B, L, D]`` instead would move K times fewer bytes but
 round the ranks' partial mixtures apart; at decode the collective costs its
 latency, not its bytes (BENCHMARKS.md, "Expert parallel").
+
+The embedding and the LM head are split by vocabulary (:class:`VocabShard`,
+:func:`split_vocabulary`): rank ``r`` holds only the contiguous rows
+``[floor(r V / N), floor((r + 1) V / N))`` of each (quantized or not; a tied
+head is the split embedding's ``as_linear``), a copy of them, the whole arrays
+dropped. A lookup takes the ids in this rank's rows, zeros for the others, and
+one ``all_sum`` gives every rank the embeddings (``v + 0 == v`` again); the
+head computes its rows' logits and one ``all_gather`` (each rank's padded to
+the widest range, then trimmed) assembles the vocabulary. A row's logit does
+not depend on which other rows are multiplied with it (on the CPU; tests
+check), so these too are one process's numbers.
 
 Pipeline parallel (:func:`pipeline_stage`): mlx-lm's own ``pipeline(group)``
 of the families whose model has one; each rank keeps its layers' resident
@@ -36,7 +47,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map, tree_unflatten
+from mlx_lm.models.base import gather_last_axis
 
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, expert_file
 from .options import PARALLEL_MODES
@@ -113,13 +127,110 @@ class ExpertShard:
         return mx.distributed.all_sum(full, group=self.group).reshape(B, L, K, width)
 
 
+class VocabShard:
+    """This rank's rows of the vocabulary (see the module docstring): rank
+    ``r`` holds ``[bounds[r], bounds[r + 1])``, near-equal contiguous ranges."""
+
+    def __init__(self, group: Any, vocab: int):
+        self.group = group
+        size, rank = group.size(), group.rank()
+        self.vocab = vocab
+        self.bounds = [r * vocab // size for r in range(size + 1)]
+        self.start, self.end = self.bounds[rank], self.bounds[rank + 1]
+        counts = np.diff(self.bounds)
+        self.width = int(counts.max())  # every rank's logits are padded to this for the all_gather
+        # the real logits among the gathered [size * width] (None: all of them)
+        self.columns = None
+        if self.width * size != vocab:
+            keep = np.concatenate([r * self.width + np.arange(n) for r, n in enumerate(counts)])
+            self.columns = mx.array(keep.astype(np.int32))
+
+    def keep_rows(self, module: nn.Module) -> None:
+        """Replace every parameter of ``module`` (an embedding or LM head, all
+        indexed by the vocabulary on axis 0) with a copy of this rank's rows,
+        so that the whole arrays are no longer referenced from it."""
+        # a slice shares its source's buffer; mx.contiguous copies it out
+        module.update(tree_map(lambda v: mx.contiguous(v[self.start : self.end]), module.parameters()))
+
+    def embed(self, embedding: nn.Module, ids: mx.array) -> mx.array:
+        """Every id's embedding ``[..., D]``, ``embedding`` holding this rank's rows."""
+        local = ids.astype(mx.int32) - self.start
+        mine = (local >= 0) & (local < self.end - self.start)
+        h = embedding(mx.where(mine, local, 0))
+        return mx.distributed.all_sum(mx.where(mine[..., None], h, 0), group=self.group)
+
+    def gather(self, logits: mx.array) -> mx.array:
+        """This rank's logits ``[..., end - start]`` -> every rank's ``[..., vocab]``."""
+        pad = self.width - logits.shape[-1]
+        if pad:
+            logits = mx.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, pad)])
+        full = gather_last_axis(logits, self.group)  # [..., size * width]
+        return full if self.columns is None else mx.take(full, self.columns, axis=-1)
+
+
+class VocabRows(nn.Module):
+    """A vocabulary-indexed module (embedding or LM head) reduced to this
+    rank's rows, ``rows``, that answers as the whole one."""
+
+    def __init__(self, module: nn.Module, shard: VocabShard):
+        super().__init__()
+        shard.keep_rows(module)
+        self.rows = module
+        self.shard = shard
+
+
+class VocabEmbedding(VocabRows):
+    """The input embedding: lookups, and ``as_linear`` (the tied LM head)."""
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.shard.embed(self.rows, ids)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.shard.gather(self.rows.as_linear(x))
+
+
+class VocabHead(VocabRows):
+    """The LM head: the logits of the whole vocabulary."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.shard.gather(self.rows(x))
+
+
+def module_at(model: nn.Module, path: str) -> Optional[nn.Module]:
+    """The module at dotted ``path`` of ``model``, or None when it has none there."""
+    for name in path.split("."):
+        model = getattr(model, name, None)
+    return model
+
+
+def split_vocabulary(model: nn.Module, embedding_path: str, head_path: str, group: Any) -> VocabShard:
+    """Swap the embedding at ``embedding_path`` and the LM head at
+    ``head_path`` (none there: tied to the embedding) for their
+    :class:`VocabEmbedding` and :class:`VocabHead` over ``group``.
+
+    Raises:
+        ValueError: ``model`` has no embedding at ``embedding_path``, or its
+            head has another vocabulary.
+    """
+    embedding, head = module_at(model, embedding_path), module_at(model, head_path)
+    if embedding is None or not callable(getattr(embedding, "as_linear", None)):
+        raise ValueError(f"{type(model).__name__} has no input embedding at {embedding_path!r}")
+    vocab = embedding.weight.shape[0]
+    if head is not None and head.weight.shape[0] != vocab:
+        raise ValueError(f"{head_path} has {head.weight.shape[0]} rows, the embedding {embedding_path} {vocab}")
+    shard = VocabShard(group, vocab)
+    swaps = [(embedding_path, VocabEmbedding(embedding, shard))]
+    if head is not None:
+        swaps.append((head_path, VocabHead(head, shard)))
+    model.update_modules(tree_unflatten(swaps))
+    return shard
+
+
 def pipeline_stage(model: Any) -> Optional[Any]:
     """The module of ``model`` that has mlx-lm's ``pipeline(group)``, or None
     when the installed mlx-lm cannot pipeline this family."""
-    for path in (("model",), ("language_model", "model")):
-        stage = model
-        for name in path:
-            stage = getattr(stage, name, None)
+    for path in ("model", "language_model.model"):
+        stage = module_at(model, path)
         if stage is not None and callable(getattr(stage, "pipeline", None)):
             return stage
     return None

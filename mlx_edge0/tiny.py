@@ -192,8 +192,9 @@ _CONFIGS = {
 check_covers(_CONFIGS, __name__)
 
 
-def tiny_config(model_type: str, vocab_size: int = 512) -> dict:
-    """A config.json for a tiny member of ``model_type``, spelled as its real release is.
+def tiny_config(model_type: str, vocab_size: int = 512, *, tied: bool = False) -> dict:
+    """A config.json for a tiny member of ``model_type``, spelled as its real release is
+    (``tied``: the LM head is the input embedding, ``tie_word_embeddings``).
 
     Every Linear the model's ``quant_predicate`` quantizes has input dims
     divisible by 64, so a group-64 quantize leaves none behind.
@@ -203,6 +204,7 @@ def tiny_config(model_type: str, vocab_size: int = 512) -> dict:
     config = copy.deepcopy(_CONFIGS[model_type])
     text = config.get("text_config", config)
     text["vocab_size"] = vocab_size
+    text["tie_word_embeddings"] = config["tie_word_embeddings"] = tied
     if text is not config:
         del text["torch_dtype"]
         config["text_config"] = dict(sorted(text.items()))
@@ -228,9 +230,11 @@ def _randomize(path: str, v: mx.array) -> mx.array:
     return v
 
 
-def build_tiny_model(model_type: str, seed: int = 0, vocab_size: int = 512) -> tuple[nn.Module, dict]:
-    """Build the stock mlx-lm model for ``tiny_config(model_type)`` with seeded weights."""
-    config = tiny_config(model_type, vocab_size)
+def build_tiny_model(
+    model_type: str, seed: int = 0, vocab_size: int = 512, *, tied: bool = False
+) -> tuple[nn.Module, dict]:
+    """Build the stock mlx-lm model for ``tiny_config(model_type, vocab_size, tied=tied)`` with seeded weights."""
+    config = tiny_config(model_type, vocab_size, tied=tied)
     arch = model_module(config)
     mx.random.seed(seed)
     # ModelArgs may rewrite nested dicts (qwen3_5 renames rope_type), so pass a copy.

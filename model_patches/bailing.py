@@ -17,6 +17,7 @@ from ..streaming import StreamingMoE, dense_weight
 
 SHARED_EXPERTS = {f"mlp.shared_experts.{p}": "shared_expert" for p in ("gate_proj", "up_proj", "down_proj")}
 DENSE_MLP = {f"mlp.{p}": "dense_mlp" for p in ("gate_proj", "up_proj", "down_proj")}
+VOCAB = ("model.word_embeddings", "lm_head")
 
 
 class BailingMoeStreamingBlock(StreamingMoE):
@@ -79,6 +80,7 @@ class BailingMoeV3StreamingBlock(StreamingMoE):
 class BailingMoeModel(Edge0Model, bailing_moe.Model):
     stock_block = bailing_moe.BailingMoeSparseMoeBlock
     streaming_block = BailingMoeStreamingBlock
+    vocab_paths = VOCAB
     lora_targets = {
         "attention.query_key_value": "attention", "attention.dense": "attention",
         **SHARED_EXPERTS, **DENSE_MLP,
@@ -88,6 +90,7 @@ class BailingMoeModel(Edge0Model, bailing_moe.Model):
 class BailingMoeV3Model(Edge0Model, bailing_moe_v3.Model):
     stock_block = bailing_moe_v3.BailingSparseMoE
     streaming_block = BailingMoeV3StreamingBlock
+    vocab_paths = VOCAB
     # MLA layers (q_a/q_b/kv_a, dense) and KDA linear-attention layers (q/k/v,
     # f/b gates, o) share the ``attention`` name; g_proj exists in both.
     lora_targets = {

@@ -32,9 +32,11 @@ class Qwen3MoeStreamingBlock(StreamingMoE):
 
 ATTENTION = {f"self_attn.{p}": "attention" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
 DENSE_MLP = {f"mlp.{p}": "dense_mlp" for p in ("gate_proj", "up_proj", "down_proj")}
+VOCAB = ("model.embed_tokens", "lm_head")
 
 
 class Model(Edge0Model, qwen3_moe.Model):
     stock_block = qwen3_moe.Qwen3MoeSparseMoeBlock
     streaming_block = Qwen3MoeStreamingBlock
     lora_targets = {**ATTENTION, **DENSE_MLP}
+    vocab_paths = VOCAB

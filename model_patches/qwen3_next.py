@@ -13,7 +13,7 @@ from mlx_lm.models import qwen3_5_moe, qwen3_next
 from ..model import Edge0Model
 from ..routing import softmax_topk
 from ..streaming import StreamingMoE, dense_weight
-from .qwen3_moe import ATTENTION, DENSE_MLP
+from .qwen3_moe import ATTENTION, DENSE_MLP, VOCAB
 
 SHARED_EXPERT = {f"mlp.shared_expert.{p}": "shared_expert" for p in ("gate_proj", "up_proj", "down_proj")}
 
@@ -46,6 +46,7 @@ class Qwen3NextStreamingBlock(StreamingMoE):
 class Qwen3NextModel(Edge0Model, qwen3_next.Model):
     stock_block = qwen3_next.Qwen3NextSparseMoeBlock
     streaming_block = Qwen3NextStreamingBlock
+    vocab_paths = VOCAB
     lora_targets = {
         **ATTENTION, **SHARED_EXPERT, **DENSE_MLP,
         **{f"linear_attn.{p}": "linear_attention" for p in ("in_proj_qkvz", "in_proj_ba", "out_proj")},
@@ -55,6 +56,7 @@ class Qwen3NextModel(Edge0Model, qwen3_next.Model):
 class Qwen3_5MoeModel(Edge0Model, qwen3_5_moe.Model):
     stock_block = qwen3_next.Qwen3NextSparseMoeBlock
     streaming_block = Qwen3NextStreamingBlock
+    vocab_paths = ("language_model.model.embed_tokens", "language_model.lm_head")
     lora_targets = {
         **ATTENTION, **SHARED_EXPERT,
         **{f"linear_attn.{p}": "linear_attention"

@@ -29,19 +29,21 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory, tokenizer_dir):
-    """model_type -> Converted, built lazily and cached for the session."""
-    cache: dict[str, Converted] = {}
+    """(model_type, build_tiny_model's keywords, e.g. ``tied=True``) -> Converted,
+    built lazily and cached for the session."""
+    cache: dict[tuple, Converted] = {}
 
-    def get(model_type: str) -> Converted:
-        if model_type not in cache:
+    def get(model_type: str, **build) -> Converted:
+        key = (model_type, *sorted(build.items()))
+        if key not in cache:
             root = tmp_path_factory.mktemp(model_type)
-            model, config = tiny.build_tiny_model(model_type, seed=0)
+            model, config = tiny.build_tiny_model(model_type, seed=0, **build)
             src = root / "source"
             tiny.save_mlx(model, config, src, tokenizer_dir, bits=4)
             out = root / "edge0"
             convert(src, out, ConvertOptions(show_progress=False))
-            cache[model_type] = Converted(model_type, src, out)
-        return cache[model_type]
+            cache[key] = Converted(model_type, src, out)
+        return cache[key]
 
     return get
 

@@ -2,10 +2,11 @@
 
 For every run in the JSON ``SPEC`` (name, checkpoint, options, prompt ids,
 tokens) it loads the checkpoint as this rank's share (one process: the whole
-model), records the prompt's logits, greedy tokens and their log-probs, and
-the experts the store read, and writes ``OUT/<name>-rank<r>.npz``. A run that
-fails to load writes its error instead (``OUT/<name>-rank<r>.error``). The
-tests import :func:`run_one` to make the one-process reference.
+model), records the prompt's logits, greedy tokens and their log-probs, the
+experts the store read and the rows and bytes of the embedding and LM head it
+holds, and writes ``OUT/<name>-rank<r>.npz``. A run that fails to load writes
+its error instead (``OUT/<name>-rank<r>.error``). The tests import
+:func:`run_one` to make the one-process reference.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -57,7 +59,14 @@ def run_one(run: dict, group: Optional[Any]) -> dict[str, np.ndarray]:
         "prerouted": np.array(stats["prerouted"]),
         "open_layers": np.array(sorted(model.edge0_runtime.store.layers), np.int64),
         "memory_sharers": np.array(model.edge0_runtime.memory_sharers),
+        "vocab_rows": vocab_rows(model),
+        "vocab_bytes": np.array(stats["resident_bytes"]["vocab"]),
     }
+
+
+def vocab_rows(model: Any) -> np.ndarray:
+    """The distinct row counts of every tensor of the embedding and LM head the model holds."""
+    return np.array(sorted({v.shape[0] for m in model.vocab_modules() for _, v in tree_flatten(m.parameters())}))
 
 
 def main(spec_file: str, out_dir: str) -> None:

@@ -8,11 +8,15 @@ on the others, so the all_sum reproduces the one-process tensor exactly, and
 the CPU's quantized matmul computes a pair's product the same whether it is
 multiplied alone or with the other pairs; the logits are compared bit for
 bit. (On Metal the kernels chosen for a rank's smaller calls may round
-differently; there the greedy tokens are what holds.)
+differently; there the greedy tokens are what holds.) The same holds for the
+vocabulary each rank holds a slice of: an embedding row is looked up on one
+rank and added to zeros on the others, and a logit is one row's product,
+gathered as computed.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import socket
@@ -22,15 +26,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import mlx_edge0
 from mlx_edge0.cli import main
-from mlx_edge0.parallel import ExpertShard, pipeline_stage
+from mlx_edge0.parallel import ExpertShard, VocabShard, pipeline_stage
 
 from conftest import FAMILIES
-from parallel_worker import run_one
+from parallel_worker import run_one, vocab_rows
 
 HERE = Path(__file__).parent
 PROMPT = [5, 17, 33, 9, 101, 7, 64, 12, 250, 3]
@@ -38,6 +44,7 @@ TOKENS = 12
 PIPELINED = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")  # the families whose mlx-lm model has `pipeline`
 RANKS = 2
 LAUNCH_TIMEOUT_S = 600
+ODD_VOCAB = 511  # split 255 + 256 over two ranks
 
 
 def free_port_pair() -> int:
@@ -95,6 +102,13 @@ def cases(converted, tmp_path_factory):
                     "options": {"parallel": "expert", **options},
                 }
             )
+    # A vocabulary the ranks cannot split evenly, with its own (unquantized) LM head and tied to the embedding.
+    for name, family, build in [
+        ("bailing_moe_v3-expert-odd-vocab", "bailing_moe_v3", {}),
+        ("qwen3_moe-expert-odd-vocab-tied", "qwen3_moe", {"tied": True}),
+    ]:
+        edge0 = converted(family, vocab_size=ODD_VOCAB, **build).edge0
+        runs.append({"name": name, "checkpoint": str(edge0), "options": {"parallel": "expert"}})
     # Stock mlx-lm's sharded_load (its tensor-parallel hook, ``shard``) through the checkpoint's shim.
     for family in ("qwen3_next", "bailing_moe"):
         runs.append({"name": f"{family}-sharded-load", "checkpoint": str(converted(family).edge0)})
@@ -133,13 +147,13 @@ def one_process(run: dict) -> dict:
     return run_one({**run, "options": options}, None)
 
 
-def assert_same_numbers(ranks: dict, alone: dict) -> None:
+def assert_same_numbers(ranks: dict, alone: dict, *, tokens_vary: bool = True) -> None:
     for rank, got in ranks.items():
         assert not isinstance(got, str), f"rank {rank}: {got}"
         assert got["tokens"].tolist() == alone["tokens"].tolist(), f"rank {rank}"
         assert np.array_equal(got["prompt_logits"], alone["prompt_logits"]), f"rank {rank}"
         assert np.array_equal(got["logprobs"], alone["logprobs"]), f"rank {rank}"
-    assert len(set(alone["tokens"].tolist())) > 1  # not one token repeated
+    assert len(set(alone["tokens"].tolist())) > 1 or not tokens_vary  # not one token repeated
 
 
 def experts_read(result: dict) -> set[tuple[int, int]]:
@@ -158,6 +172,30 @@ def test_expert_parallel_equals_one_process_and_each_rank_reads_its_own_experts(
     assert all(int(got["memory_sharers"]) == RANKS for got in ranks.values())  # one host: "auto" splits
     # between them the ranks read every expert one process reads
     assert experts_read(ranks[0]) | experts_read(ranks[1]) == experts_read(alone)
+
+
+@pytest.mark.parametrize(
+    "name", [f"{family}-expert" for family in FAMILIES] + ["qwen3_next-sharded-load", "bailing_moe-sharded-load"]
+)
+def test_expert_parallel_each_rank_holds_only_its_rows_of_the_vocabulary(cases, name):
+    run, ranks = cases[name]
+    whole = mlx_edge0.load_model(run["checkpoint"])
+    vocab = int(vocab_rows(whole)[0])
+    assert vocab_rows(whole).tolist() == [vocab]
+    for rank, got in ranks.items():
+        assert got["vocab_rows"].tolist() == [vocab // RANKS], f"rank {rank}"  # every tensor of embedding and head
+        assert int(got["vocab_bytes"]) * RANKS == whole.stats()["resident_bytes"]["vocab"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", ["bailing_moe_v3-expert-odd-vocab", "qwen3_moe-expert-odd-vocab-tied"])
+def test_expert_parallel_splits_an_odd_vocabulary_and_a_tied_head(cases, name):
+    run, ranks = cases[name]
+    alone = one_process(run)
+    # a random tied head scores the input token highest: greedy repeats the prompt's last
+    assert_same_numbers(ranks, alone, tokens_vary="tied" not in name)
+    assert alone["prompt_logits"].shape[-1] == ODD_VOCAB
+    assert [ranks[r]["vocab_rows"].tolist() for r in range(RANKS)] == [[255], [256]]
+    assert sum(int(got["vocab_bytes"]) for got in ranks.values()) == int(alone["vocab_bytes"])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "bailing_moe_v3"])
@@ -246,6 +284,24 @@ def test_expert_shard_pairs_and_ownership():
     x_pairs, experts = shard.inputs(mx.arange(4 * 3).reshape(2, 2, 3), pairs)
     assert x_pairs.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert experts.tolist() == [[1], [4], [7]]
+
+
+def test_vocab_shard_splits_near_equal_and_keeps_a_copy_of_its_rows_only():
+    shard = VocabShard(SimpleNamespace(rank=lambda: 2, size=lambda: 3), 10)
+    assert shard.bounds == [0, 3, 6, 10] and (shard.start, shard.end, shard.width) == (6, 10, 4)
+    # the gathered [3 ranks x 4] logits, ranks 0 and 1 padded by one column each
+    assert shard.columns.tolist() == [0, 1, 2, 4, 5, 6, 8, 9, 10, 11]
+    assert VocabShard(SimpleNamespace(rank=lambda: 0, size=lambda: 2), 512).columns is None
+    embedding = nn.Embedding(1000, 1024)  # 4 MB
+    mx.eval(embedding.parameters())
+    want = np.array(embedding.weight[250:500])
+    gc.collect()
+    before = mx.get_active_memory()
+    VocabShard(SimpleNamespace(rank=lambda: 1, size=lambda: 4), 1000).keep_rows(embedding)
+    mx.eval(embedding.parameters())
+    assert embedding.weight.shape == (250, 1024) and np.array_equal(np.array(embedding.weight), want)
+    # the whole table is freed (a slice view would have kept all of it): 750 of its 1000 rows
+    assert mx.get_active_memory() - before < -700 * 1024 * 4
 
 
 def test_a_store_refuses_to_read_another_ranks_expert(converted):
