@@ -25,7 +25,8 @@ from mlx_edge0.bench.charts import (
     value_formatter,
 )
 from mlx_edge0.bench.commands import bench
-from mlx_edge0.bench.measure import RunSpec, arm_base, parse_arm
+from mlx_edge0.bench.arms import arm_base, parse_arm
+from mlx_edge0.bench.measure import RunSpec
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
 from mlx_edge0.bench.tables import agreement_note, arm_label
 from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, runs_to_make, summarize

@@ -396,7 +396,8 @@ def test_bench_arms_run_on_the_gguf(peer, tmp_path):
     """The llamacpp arms in a fresh child, as `edge0 bench run` runs them, with
     the GGUF found beside the stock checkpoint (STOCK.gguf)."""
     _needs_llama_cpp()
-    from mlx_edge0.bench.measure import forced_tokens, peer_gguf_path
+    from mlx_edge0.bench.arms import peer_gguf_path
+    from mlx_edge0.bench.measure import forced_tokens
     from mlx_edge0.bench.runner import BenchOptions, run_child
 
     assert peer_gguf_path(peer.src) == peer.path
@@ -419,7 +420,7 @@ def test_bench_arms_run_on_the_gguf(peer, tmp_path):
 
 
 def test_bench_options_need_the_gguf(tmp_path):
-    from mlx_edge0.bench.measure import parse_arm
+    from mlx_edge0.bench.arms import parse_arm
     from mlx_edge0.bench.runner import BenchOptions
 
     with pytest.raises(ValueError, match="edge0 bench gguf STOCK"):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .charts import Bar, Point, hbar_chart, line_chart, stacked_hbar_chart
-from .measure import BUDGET_ARMS, WINDOW_ARMS, split_arm
+from .arms import BUDGET_ARMS, WINDOW_ARMS, split_arm
 from .runner import summarize
 from .tables import (
     GIB,

@@ -25,7 +25,8 @@ from tqdm import tqdm
 from ..atomic import write_json_atomic
 from ..options import GIB, available_memory
 from ..progress import bar, note
-from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache, is_peer_arm, parse_arm, peer_gguf_path
+from .arms import is_peer_arm, parse_arm, peer_gguf_path
+from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache
 from .regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
 CACHES = ("cold", "warm", "pressure")

@@ -37,7 +37,8 @@ from typing import Callable, Optional
 
 from ..checkpoint import read_config, text_config
 from ..progress import bar, note
-from .measure import ARMS, BUDGET_ARMS, DTYPES, KNOWN_ARMS, WINDOW_ARMS, arm_base, checkpoint_files, parse_arm
+from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, WINDOW_ARMS, arm_base, parse_arm
+from .measure import DTYPES, checkpoint_files
 from .runner import (
     CODE_ROOT,
     BenchOptions,

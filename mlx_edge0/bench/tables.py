@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .measure import STAGED_WINDOW, split_arm
+from .arms import STAGED_WINDOW, split_arm
 
 GIB, MB = 2**30, 1e6
 ARM_LABELS = {
