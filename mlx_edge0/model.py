@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import __version__ as mlx_lm_version
 from mlx_lm.models.cache import KVCache
 
-from .checkpoint import CheckpointError, Edge0Section
+from .checkpoint import RESIDENT_FILE, CheckpointError, Edge0Section
 from .lora import attach, consumer_k, has_adapters, read_adapters
 from .options import Options
 from .parallel import (
@@ -43,6 +43,7 @@ from .parallel import (
 )
 from .runtime import StreamingRuntime
 from .streaming import StreamingMoE
+from .tensorfile import row_reader
 
 
 LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -156,7 +157,9 @@ class Edge0Model:
         super().load_weights(file_or_weights, strict=strict)
         shard = self.edge0_runtime.shard
         if shard is not None and self.edge0_vocab is None:
-            self.edge0_vocab = split_vocabulary(self, *self.vocab_paths, shard.group)
+            # this rank's rows straight from the file: the whole arrays stay unread
+            read = row_reader(self.edge0_checkpoint_dir / RESIDENT_FILE)
+            self.edge0_vocab = split_vocabulary(self, *self.vocab_paths, shard.group, read)
         return self
 
     def vocab_modules(self) -> list[nn.Module]:

@@ -44,17 +44,20 @@ import hashlib
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import gather_last_axis
 
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, expert_file
 from .options import PARALLEL_MODES
 from .tensorfile import read_header
+
+# (parameter path, first row, end row) -> those rows of it, or None: not readable that way
+RowReader = Callable[[str, int, int], Optional[mx.array]]
 
 # The key under which mlx-edge0's loaders hand a :class:`Parallel` to the
 # model through mlx-lm's ``model_config`` (in process; never written to disk).
@@ -145,12 +148,21 @@ class VocabShard:
             keep = np.concatenate([r * self.width + np.arange(n) for r, n in enumerate(counts)])
             self.columns = mx.array(keep.astype(np.int32))
 
-    def keep_rows(self, module: nn.Module) -> None:
+    def keep_rows(self, module: nn.Module, read: Optional[RowReader] = None) -> None:
         """Replace every parameter of ``module`` (an embedding or LM head, all
-        indexed by the vocabulary on axis 0) with a copy of this rank's rows,
-        so that the whole arrays are no longer referenced from it."""
-        # a slice shares its source's buffer; mx.contiguous copies it out
-        module.update(tree_map(lambda v: mx.contiguous(v[self.start : self.end]), module.parameters()))
+        indexed by the vocabulary on axis 0) with this rank's rows, so that the
+        whole arrays are no longer referenced from it. ``read`` (parameter
+        name, first row, end row -> those rows, or None) reads them from the
+        file without the rest: evaluating a slice of a lazily loaded array
+        loads all of it, and mlx-lm's loader holds that until it returns."""
+
+        def rows(name: str, v: mx.array) -> mx.array:
+            got = read(name, self.start, self.end) if read is not None else None
+            if got is not None and got.shape == (self.end - self.start, *v.shape[1:]) and got.dtype == v.dtype:
+                return got
+            return mx.contiguous(v[self.start : self.end])  # a slice shares its source's buffer
+
+        module.update(tree_unflatten([(k, rows(k, v)) for k, v in tree_flatten(module.parameters())]))
 
     def embed(self, embedding: nn.Module, ids: mx.array) -> mx.array:
         """Every id's embedding ``[..., D]``, ``embedding`` holding this rank's rows."""
@@ -172,9 +184,9 @@ class VocabRows(nn.Module):
     """A vocabulary-indexed module (embedding or LM head) reduced to this
     rank's rows, ``rows``, that answers as the whole one."""
 
-    def __init__(self, module: nn.Module, shard: VocabShard):
+    def __init__(self, module: nn.Module, shard: VocabShard, read: Optional[RowReader] = None):
         super().__init__()
-        shard.keep_rows(module)
+        shard.keep_rows(module, read)
         self.rows = module
         self.shard = shard
 
@@ -203,10 +215,13 @@ def module_at(model: nn.Module, path: str) -> Optional[nn.Module]:
     return model
 
 
-def split_vocabulary(model: nn.Module, embedding_path: str, head_path: str, group: Any) -> VocabShard:
+def split_vocabulary(
+    model: nn.Module, embedding_path: str, head_path: str, group: Any, read: Optional[RowReader] = None
+) -> VocabShard:
     """Swap the embedding at ``embedding_path`` and the LM head at
     ``head_path`` (none there: tied to the embedding) for their
-    :class:`VocabEmbedding` and :class:`VocabHead` over ``group``.
+    :class:`VocabEmbedding` and :class:`VocabHead` over ``group``;
+    ``read`` gets parameter paths of ``model`` (see :meth:`VocabShard.keep_rows`).
 
     Raises:
         ValueError: ``model`` has no embedding at ``embedding_path``, or its
@@ -219,9 +234,13 @@ def split_vocabulary(model: nn.Module, embedding_path: str, head_path: str, grou
     if head is not None and head.weight.shape[0] != vocab:
         raise ValueError(f"{head_path} has {head.weight.shape[0]} rows, the embedding {embedding_path} {vocab}")
     shard = VocabShard(group, vocab)
-    swaps = [(embedding_path, VocabEmbedding(embedding, shard))]
+
+    def under(path: str) -> Optional[RowReader]:
+        return None if read is None else (lambda name, start, end: read(f"{path}.{name}", start, end))
+
+    swaps = [(embedding_path, VocabEmbedding(embedding, shard, under(embedding_path)))]
     if head is not None:
-        swaps.append((head_path, VocabHead(head, shard)))
+        swaps.append((head_path, VocabHead(head, shard, under(head_path))))
     model.update_modules(tree_unflatten(swaps))
     return shard
 

@@ -17,7 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -175,6 +175,29 @@ def _parse_entry(name, info, data_start, file_size, fail) -> TensorEntry:
             f"file ({file_size} bytes); the file is truncated"
         )
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def row_reader(path: Path | str) -> Callable[[str, int, int], Optional[mx.array]]:
+    """``read(name, start, end)``: rows ``[start, end)`` (axis 0) of tensor
+    ``name`` of the file, read alone (one ``pread``; the rows of a row-major
+    tensor are one byte range), or None when the file has no such tensor."""
+    path = Path(path)
+    header = read_header(path)
+
+    def read(name: str, start: int, end: int) -> Optional[mx.array]:
+        entry = header.entries.get(name)
+        if entry is None or not entry.shape or not 0 <= start <= end <= entry.shape[0]:
+            return None
+        row = nbytes_of(entry.dtype, entry.shape[1:])
+        dtype, size = DTYPES[entry.dtype]
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), (end - start) * row, entry.start + start * row)
+        if len(data) != (end - start) * row:
+            raise TensorFileError(f"{path}: short read of tensor {name!r} (the file is truncated)")
+        bits = np.frombuffer(data, {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
+        return mx.array(bits.reshape(end - start, *entry.shape[1:])).view(dtype)
+
+    return read
 
 
 def tensors_sha256(path: Path | str, names: Iterable[str]) -> str:
