@@ -216,5 +216,5 @@ def test_served_fault_fails_the_request_and_serving_resumes(ckpt, backup, tmp_pa
         assert log.read_text().count("restarting it in 1 s") == 2
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(lambda s: _ask(client, s), [False, True, False, True])) == [want] * 4
-    errors = [line for line in log.read_text().splitlines() if line.startswith("mlx_edge0.store.ExpertReadError")]
+    errors = [line for line in log.read_text().splitlines() if line.startswith("mlx_edge0.reads.ExpertReadError")]
     assert len(errors) >= 2 and all("safetensors: short read" in line for line in errors)
