@@ -23,11 +23,12 @@ The embedding and the LM head are split by vocabulary (:class:`VocabShard`,
 head is the split embedding's ``as_linear``), read from the resident file
 alone when the loader hands the weights over (the whole tables are never
 evaluated), else copied out of them and the whole arrays dropped. A lookup
-takes the ids in this rank's rows, zeros for the others, and one ``all_sum`` gives every rank the embeddings (``v + 0 == v`` again); the
-head computes its rows' logits and one ``all_gather`` (each rank's padded to
-the widest range, then trimmed) assembles the vocabulary. A row's logit does
-not depend on which other rows are multiplied with it (on the CPU; tests
-check), so these too are one process's numbers.
+takes the ids in this rank's rows, zeros for the others, and one ``all_sum``
+gives every rank the embeddings (``v + 0 == v`` again); the head computes
+its rows' logits and one ``all_gather`` (each rank's padded to the widest
+range, then trimmed) assembles the vocabulary. A row's logit does not depend
+on which other rows are multiplied with it (on the CPU; tests check), so
+these too are one process's numbers.
 
 Pipeline parallel (:func:`pipeline_stage`): mlx-lm's own ``pipeline(group)``
 of the families whose model has one; each rank keeps its layers' resident
