@@ -46,7 +46,7 @@ import hashlib
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,10 +56,7 @@ from mlx_lm.models.base import gather_last_axis
 
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, expert_file
 from .options import PARALLEL_MODES
-from .tensorfile import read_header
-
-# (parameter path, first row, end row) -> those rows of it, or None: not readable that way
-RowReader = Callable[[str, int, int], Optional[mx.array]]
+from .tensorfile import RowReader, read_header
 
 # The key under which mlx-edge0's loaders hand a :class:`Parallel` to the
 # model through mlx-lm's ``model_config`` (in process; never written to disk).

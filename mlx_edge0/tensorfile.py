@@ -39,6 +39,8 @@ DTYPES: dict[str, tuple[mx.Dtype, int]] = {
     "BOOL": (mx.bool_, 1),
 }
 MX_TO_CODE = {v[0]: k for k, v in DTYPES.items()}
+# (tensor name, first row, end row) -> those rows of it, or None: not readable that way
+RowReader = Callable[[str, int, int], Optional[mx.array]]
 
 
 class TensorFileError(ValueError):
@@ -177,7 +179,7 @@ def _parse_entry(name, info, data_start, file_size, fail) -> TensorEntry:
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
-def row_reader(path: Path | str) -> Callable[[str, int, int], Optional[mx.array]]:
+def row_reader(path: Path | str) -> RowReader:
     """``read(name, start, end)``: rows ``[start, end)`` (axis 0) of tensor
     ``name`` of the file, read alone (one ``pread``; the rows of a row-major
     tensor are one byte range), or None when the file has no such tensor."""
@@ -189,13 +191,13 @@ def row_reader(path: Path | str) -> Callable[[str, int, int], Optional[mx.array]
         if entry is None or not entry.shape or not 0 <= start <= end <= entry.shape[0]:
             return None
         row = nbytes_of(entry.dtype, entry.shape[1:])
-        dtype, size = DTYPES[entry.dtype]
+        size = DTYPES[entry.dtype][1]
         with open(path, "rb") as f:
             data = os.pread(f.fileno(), (end - start) * row, entry.start + start * row)
         if len(data) != (end - start) * row:
             raise TensorFileError(f"{path}: short read of tensor {name!r} (the file is truncated)")
         bits = np.frombuffer(data, {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
-        return mx.array(bits.reshape(end - start, *entry.shape[1:])).view(dtype)
+        return mx.array(bits.reshape(end - start, *entry.shape[1:])).view(entry.mx_dtype)
 
     return read
 
