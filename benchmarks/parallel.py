@@ -109,6 +109,7 @@ def rank_main(args: argparse.Namespace) -> None:
         "experts_read_per_layer": statistics.mean(len(read.get(i, ())) for i in layers) if layers else 0,
         "touched": {layer: sorted(ids) for layer, ids in touched.items()},
         "resident_bytes": model.stats()["resident_bytes"],
+        "cache_gib": args.cache_gib,
     }
     Path(args.rank_out, f"rank{group.rank()}.json").write_text(json.dumps(result))
 
@@ -155,7 +156,9 @@ def run_arm(args: argparse.Namespace, arm: str) -> list[dict]:
     """One arm in fresh processes: its ranks' results."""
     ranks, mode, launcher = parse_arm(arm, args.parallel)
     with tempfile.TemporaryDirectory() as out:
+        budget = args.cache_gib if args.group_cache_gib is None else args.group_cache_gib / ranks
         worker = [sys.executable, __file__, "--rank-worker", out, *args.worker_args, f"--parallel={mode}"]
+        worker += [f"--cache-gib={budget}"]
         if ranks > 1 and launcher == "mlx.launch":
             command = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1"]
             command += ["-n", str(ranks), "--starting-port", str(free_port()), "--", *worker]
@@ -257,6 +260,12 @@ def main() -> None:
         type=parse_cache_gib,
         help="Hot-cache budget of each process ('auto', or GiB: more than its experts holds every one of them).",
     )
+    parser.add_argument(
+        "--group-cache-gib",
+        type=float,
+        help="Hot-cache budget of the whole group instead, divided among its ranks: GiB / N each "
+        "(the experts one process would hold, held once across the ranks).",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=16)
@@ -272,7 +281,6 @@ def main() -> None:
     args.worker_args = [
         str(args.model),
         f"--page-cache={args.page_cache}",
-        f"--cache-gib={args.cache_gib}",
         f"--prompt-tokens={args.prompt_tokens}",
         f"--decode-tokens={args.decode_tokens}",
     ]

@@ -102,7 +102,7 @@ class Options:
             buffers used in turn, layer order: a layer's fill starts when
             the host reaches the prerouted layer N-2 before it, so reads run
             about N-2 layers ahead of compute in N x K rows. For when memory,
-            not read time, is short. "auto" = start at 3 buffers and add one
+            not read time, is short. "auto" = start at 3 buffers and double them
             after each decode step whose prerouted layers waited for reads
             more than a set share of the step
             (:data:`mlx_edge0.prerouting.WINDOW_WAIT_SHARE`), up to one per

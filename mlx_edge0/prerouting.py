@@ -102,15 +102,18 @@ def grown_window(window: int, wait_s: float, step_s: float, limit: int) -> int:
     Each buffer more starts every fill a prerouted layer earlier, so while
     the prerouted layers' exposed wait ``wait_s`` is over
     :data:`WINDOW_WAIT_SHARE` of the step's wall time ``step_s``, the window
-    gets one buffer more, up to ``limit`` (one per prerouted layer: every
-    fill starts when the step opens, as without a window). It never shrinks:
+    doubles, up to ``limit`` (one per prerouted layer: every fill starts
+    when the step opens, as without a window). Doubling reaches any depth in
+    a few steps (3 to 39 buffers in 4; a buffer per step would take 36);
+    overshooting costs no memory the hot cache did not already leave for
+    the largest window. It never shrinks:
     a step that stopped waiting is the deeper window at work, not a sign
     that a shallower one would do, and dropping a buffer throws away rows
     already filled (the hot cache's budget has room for the largest window
     anyway).
     """
     if window < limit and step_s > 0 and wait_s > WINDOW_WAIT_SHARE * step_s:
-        return window + 1
+        return min(2 * window, limit)
     return window
 
 
@@ -173,7 +176,7 @@ class Prerouting:
         self.partial: dict[int, tuple[mx.array, mx.array]] = {}
 
     def add_window_buffer(self, buffer: StagingBuffer) -> None:
-        """Give the window one buffer more, from the next step on. Between
+        """Give the window a buffer more, from the next step on. Between
         forwards only (nothing planned): a step's ranks keep their buffers."""
         assert self.window and not self.planned, "a window grows between steps"
         self.window.append(buffer)

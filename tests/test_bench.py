@@ -279,3 +279,36 @@ def test_quantize_embeddings_option(tmp_path, small_ckpts):
     assert isinstance(edge0.model.word_embeddings, nn.QuantizedEmbedding)
     tokens = [1, 5, 9]
     assert mx.array_equal(_run(edge0, tokens), _run(model, tokens)).item()
+
+
+def test_k_tier_arm_runs_on_its_own_copy(tmp_path):
+    """``ARM/kK`` runs on ``EDGE0-kK`` at K, beside the checkpoint's own tier, in one bench."""
+    import shutil
+
+    from mlx_edge0.cli import main as edge0_main
+    from mlx_edge0.default_model import default_checkpoint
+
+    edge0 = tmp_path / "default"
+    shutil.copytree(default_checkpoint(), edge0)
+    for name in ("adapters.safetensors", "adapter_config.json"):  # trained for K=4: not this test's part
+        (edge0 / name).unlink()
+    opts = dict(out=tmp_path / "r.json", edge0=edge0, arms=("edge0-prerouter", "edge0-prerouter/k2"), rounds=1,
+                prompt_tokens=4, decode_tokens=3, caches=("cold",))  # fmt: skip
+    with pytest.raises(ValueError, match=r"default-k2.*cp -al .*edge0 heads init .*default-k2 --k 2"):
+        BenchOptions(**opts)
+    shutil.copytree(edge0, tmp_path / "default-k2")
+    result = CliRunner().invoke(edge0_main, ["heads", "init", str(tmp_path / "default-k2"), "--k", "2"])
+    assert result.exit_code == 0, result.output
+    o = BenchOptions(**opts)
+    spec = o.spec("edge0-prerouter/k2", "cold")
+    assert (spec.path, spec.k) == (tmp_path / "default-k2", 2)
+    assert (o.spec("edge0-prerouter", "cold").path, o.spec("edge0-prerouter", "cold").k) == (edge0, 0)
+    runs = {arm: run_child(o.spec(arm, "cold"), timeout_s=120) for arm in o.arms}
+    assert all(r["ok"] for r in runs.values()), [r.get("stderr_tail") for r in runs.values()]
+    # Layer 0 routes with its own gate at K=4; the five prerouted layers at the tier's K.
+    assert runs["edge0-prerouter"]["eviction_replay"]["routings_per_token"] == 6 * 4
+    assert runs["edge0-prerouter/k2"]["eviction_replay"]["routings_per_token"] == 4 + 5 * 2
+    with pytest.raises(ValueError, match="K tier 'x'"):
+        BenchOptions(**{**opts, "arms": ("edge0-hot/kx",)})
+    with pytest.raises(ValueError, match="unknown arm 'stock/k2'"):
+        BenchOptions(**{**opts, "arms": ("stock/k2",)})

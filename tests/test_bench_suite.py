@@ -25,13 +25,14 @@ from mlx_edge0.bench.charts import (
     value_formatter,
 )
 from mlx_edge0.bench.commands import bench
-from mlx_edge0.bench.arms import arm_base, parse_arm
+from mlx_edge0.bench.arms import arm_base, arm_tier, parse_arm, split_arm, with_budget
 from mlx_edge0.bench.measure import RunSpec
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
 from mlx_edge0.bench.tables import agreement_note, arm_label
 from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, runs_to_make, summarize
 from mlx_edge0.bench.suite import (
     SuiteOptions,
+    check_suite_arm,
     heads_k,
     load_suite,
     plan_phases,
@@ -202,6 +203,15 @@ def test_arm_names_carry_a_page_cache_policy():
     assert arm_label("edge0-prerouter+bypass@0") == "edge0-prerouter, page cache bypass @ 0 GiB"
     with pytest.raises(ValueError, match="budget 'x' is not a number"):
         parse_arm("edge0-hot+bypass@x")
+    assert parse_arm("edge0-hot+bypass@0.5/k4") == parse_arm("edge0-hot+bypass@0.5")
+    assert split_arm("edge0-hot+bypass@0.5/k4") == ("edge0-hot", "bypass", "0.5") and arm_tier("edge0-hot/k4") == 4
+    assert with_budget("edge0-hot+bypass/k4", 0.5) == "edge0-hot+bypass@0.5/k4" and arm_tier("edge0-hot") == 0
+    assert arm_label("edge0-hot@1/k4") == "edge0-hot @ 1 GiB, K=4"
+    for arm in ("edge0-hot/k0", "llamacpp/k4", "edge0-hot/k"):
+        with pytest.raises(ValueError, match="K tier|unknown arm"):
+            parse_arm(arm)
+    with pytest.raises(ValueError, match="low-k phase"):
+        check_suite_arm("edge0-hot/k4")
 
 
 def test_existing_checkpoint_of_another_model_is_refused(tmp_path):

@@ -137,13 +137,17 @@ def test_window_fills_each_consumer_once_ahead_of_it_and_after_its_buffer_is_fre
     assert list(fills_at_open(consumers, 0)) == list(range(consumers)) and refill_at(5, 0) is None
 
 
-def test_an_auto_window_grows_by_one_while_reads_stall_compute_up_to_a_buffer_per_layer():
+def test_an_auto_window_doubles_while_reads_stall_compute_up_to_a_buffer_per_layer():
     assert WINDOW_WAIT_SHARE == 0.05
-    assert grown_window(3, wait_s=0.06, step_s=1.0, limit=5) == 4  # waited 6% of the step
-    assert grown_window(3, wait_s=0.05, step_s=1.0, limit=5) == 3  # at the share: deep enough
-    assert grown_window(4, wait_s=0.0, step_s=1.0, limit=5) == 4  # never shrinks
+    assert grown_window(3, wait_s=0.06, step_s=1.0, limit=39) == 6  # waited 6% of the step
+    assert grown_window(3, wait_s=0.05, step_s=1.0, limit=39) == 3  # at the share: deep enough
+    assert grown_window(4, wait_s=0.0, step_s=1.0, limit=39) == 4  # never shrinks
     assert grown_window(4, wait_s=0.9, step_s=1.0, limit=5) == 5
     assert grown_window(5, wait_s=0.9, step_s=1.0, limit=5) == 5  # one buffer per prerouted layer at most
+    depths = [3]
+    while depths[-1] < 39:
+        depths.append(grown_window(depths[-1], wait_s=0.2, step_s=1.0, limit=39))
+    assert depths == [3, 6, 12, 24, 39]  # a 40-layer model's limit in 4 steps
     assert grown_window(3, wait_s=0.2, step_s=0.0, limit=5) == 3  # no step time: nothing to compare with
 
 

@@ -12,7 +12,7 @@ import click
 from ..checkpoint import human_bytes
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
 from .gguf_peer import RESIDENT_TYPES
-from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path
+from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path, with_budget
 from .measure import DTYPES
 from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, run_bench
@@ -170,7 +170,8 @@ MEASUREMENT_OPTIONS = (
         show_default=True,
         callback=_arms,
         help=f"Comma list of {', '.join(KNOWN_ARMS)}; edge0 arms may add a page-cache policy "
-        "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB.",
+        "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB; edge0 arms a K tier last, ARM/k4 "
+        "(run on EDGE0-k4, a copy with K=4 heads).",
     ),
     click.option(
         "--cache-gib",
@@ -214,7 +215,7 @@ def _with_budgets(arms: tuple[str, ...], budgets: tuple[float, ...]) -> tuple[st
     expanded = []
     for arm in arms:
         if budgets and "@" not in arm and arm_base(arm) in BUDGET_ARMS:
-            expanded += [f"{arm}@{b:g}" for b in budgets]
+            expanded += [with_budget(arm, b) for b in budgets]
         else:
             expanded.append(arm)
     return tuple(expanded)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .charts import Bar, Point, hbar_chart, line_chart, stacked_hbar_chart
-from .arms import BUDGET_ARMS, WINDOW_ARMS, split_arm
+from .arms import BUDGET_ARMS, TIER_MARK, WINDOW_ARMS, split_arm
 from .runner import summarize
 from .tables import (
     GIB,
@@ -272,7 +272,8 @@ def wait_chart(summary: dict, title: str) -> str:
 def _budget_points(summary: dict, key: str, scale: float = 1.0) -> dict[str, list[Point]]:
     series: dict[str, list[Point]] = {}
     for e in summary["arms"].values():
-        name, _, budget = e["arm"].partition("@")  # a series per arm and page-cache policy
+        budget = split_arm(e["arm"])[2]  # a series per arm, page-cache policy and K tier
+        name = e["arm"].replace(f"@{budget}", "") if budget else e["arm"]
         s = stat(e, key)
         if s is None or (split_arm(name)[0] in BUDGET_ARMS and not budget):
             continue
@@ -347,7 +348,10 @@ def _prerouted_pairs(summary: Optional[dict], budget: str, cache: str) -> list[t
         if e["cache"] != cache or base not in PREROUTED_ARMS or arm_budget != budget:
             continue
         suffix = f"+{policy}" if policy else ""
-        od = _entry(summary, f"edge0-hot{suffix}@{budget}", cache) or _entry(summary, f"edge0-exact{suffix}", cache)
+        tier = "".join(e["arm"].partition(TIER_MARK)[1:])
+        od = _entry(summary, f"edge0-hot{suffix}@{budget}{tier}", cache) or _entry(
+            summary, f"edge0-exact{suffix}{tier}", cache
+        )
         if od is not None:
             pairs.append((od, e))
     return pairs

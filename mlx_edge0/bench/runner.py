@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..atomic import write_json_atomic
 from ..options import GIB, available_memory
 from ..progress import bar, note
-from .arms import is_peer_arm, parse_arm, peer_gguf_path
+from .arms import arm_tier, is_peer_arm, parse_arm, peer_gguf_path, tier_checkpoint
 from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache
 from .regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
@@ -111,6 +111,12 @@ class BenchOptions:
             elif path is None:
                 flag = "--stock" if arm == "stock" else "--edge0"
                 raise ValueError(f"arm {arm!r} needs {flag} DIR")
+            if arm_tier(arm) and not (Path(path) / "config.json").is_file():
+                k = arm_tier(arm)
+                raise ValueError(
+                    f"arm {arm!r} runs on {path}, which does not exist: make it with "
+                    f"`cp -al {self.edge0} {path} && edge0 heads init {path} --k {k}`"
+                )
             if not is_peer_arm(arm) and not (Path(path) / "config.json").is_file():
                 raise ValueError(f"{path}: no config.json; is this a checkpoint directory?")
             unavailable = regime_unavailable(self.regime, Path(path))
@@ -125,12 +131,19 @@ class BenchOptions:
     def arm_path(self, arm: str) -> Optional[Path]:
         if is_peer_arm(arm):
             return self.gguf or (peer_gguf_path(self.stock) if self.stock else None)
-        return self.stock if parse_arm(arm)[0] == "stock" else self.edge0
+        if parse_arm(arm)[0] == "stock":
+            return self.stock
+        tier = arm_tier(arm)
+        return tier_checkpoint(self.edge0, tier) if tier and self.edge0 else self.edge0
+
+    def arm_k(self, arm: str) -> int:
+        """K on the prerouted layers: the arm's tier, else ``k``; stock and peers stay native."""
+        return 0 if arm == "stock" or is_peer_arm(arm) else arm_tier(arm) or self.k
 
     def spec(self, arm: str, cache: str) -> RunSpec:
         return RunSpec(
             arm, self.arm_path(arm), self.prompt_tokens, self.decode_tokens, self.dtype, self.seed,
-            k=0 if arm == "stock" or is_peer_arm(arm) else self.k, warm_prefill=self.warm_prefill,
+            k=self.arm_k(arm), warm_prefill=self.warm_prefill,
             evict_between_steps=cache == "pressure", profile=self.profile,
         )  # fmt: skip
 

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 from ..checkpoint import read_config, text_config
 from ..progress import bar, note
-from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, WINDOW_ARMS, arm_base, parse_arm
+from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, WINDOW_ARMS, arm_base, arm_tier, parse_arm
 from .measure import DTYPES, checkpoint_files
 from .runner import (
     CODE_ROOT,
@@ -163,6 +163,8 @@ def check_suite_arm(arm: str) -> None:
     ``ARM[+PAGE_CACHE]``, no ``@GiB``."""
     if "@" in arm:
         raise ValueError(f"{arm!r}: the suite sets budgets itself (no @GiB)")
+    if arm_tier(arm):
+        raise ValueError(f"{arm!r}: the suite runs its K tier in the low-k phase (no /kK)")
     parse_arm(arm)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .arms import STAGED_WINDOW, split_arm
+from .arms import STAGED_WINDOW, arm_tier, split_arm
 
 GIB, MB = 2**30, 1e6
 ARM_LABELS = {
@@ -42,10 +42,12 @@ def _md_cell(text: str) -> str:
 
 def arm_label(arm: str) -> str:
     base, page_cache, budget = split_arm(arm)
+    tier = arm_tier(arm)
     return (
         ARM_LABELS.get(base, base)
         + (f", page cache {page_cache}" if page_cache else "")
         + (f" @ {budget} GiB" if budget else "")
+        + (f", K={tier}" if tier else "")
     )
 
 
