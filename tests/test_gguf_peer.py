@@ -1,10 +1,10 @@
 """The peer arm's GGUF: tiny stock checkpoints written by bench/gguf_peer.py, run by llama.cpp.
 
-Two families, each a tiny model with every layer MoE (4 layers x 16 experts,
-K=4, hidden 128, seed 0) and 32 teacher-forced tokens: qwen3_moe as llama.cpp's
-qwen3moe, and qwen3_5_moe (three gated-delta-net layers, then one gated
-softmax-attention layer; 2 key / 4 value heads, so the value-head reorder is
-exercised) as qwen35moe. A bound is two to five times the measurement so
+Three families, each a tiny model (4 layers x 16 experts, K=4, hidden 128,
+seed 0) and 32 teacher-forced tokens: qwen3_moe as llama.cpp's qwen3moe, and
+qwen3_5_moe (three gated-delta-net layers, then one gated softmax-attention
+layer; 2 key / 4 value heads, so the value-head reorder is exercised) as
+qwen35moe, every layer MoE; bailing_moe_v3 as bailingmoe3. A bound is two to five times the measurement so
 another CPU's SIMD path or llama.cpp release passes, while a wrong tensor
 layout, a missing norm or a transposed projection, which move logits by the
 size of their spread, fails: written without the value-head reorder, the
@@ -34,6 +34,26 @@ qwen3_5_moe (logits std 0.58):
   one more, margin 0.013).
 - Resident matrices requantized too: max 0.36, mean 0.052 (0.62 and 0.091
   logit std), greedy 26/32.
+
+bailing_moe_v3 (Ling 3.0 as bailingmoe3: KDA layers 0-2, gated MLA layer 3,
+layer 0 a dense MLP; sigmoid routing over 4 groups of 4 experts, top 2 groups,
+routed_scaling_factor 2.5; logits std 0.58):
+
+- The requantization alone: max 0.115 (0.20 logit std: the experts' output is
+  scaled by 2.5), mean 0.0091; routed sets identical on 95 of 96 pairs,
+  greedy 32/32.
+- mlx-lm with the Q4_0 experts vs llama.cpp: max 0.010 (0.018 logit std).
+- End to end: max 0.114, mean 0.0093; greedy 32/32; routed sets identical on
+  95 of 96 pairs (the requantization's one).
+- Resident matrices requantized too: max 0.66, mean 0.10 (1.15 and 0.18 logit
+  std), greedy 26/32: here requantizing rounds the MLA projections, the
+  absorbed k/v matrices, the beta projection, embedding and LM head to 4 bits
+  for the first time (mlx-lm keeps them bf16), about half the difference.
+  The absorbed k/v matrices stay F32: llama_cpp.Llama's default load (CPU
+  repack) aborts on them in F16 or Q4_0.
+- Written with ssm_a = A_log instead of exp(A_log), llama.cpp is off by max
+  2.0 logit std; with the query's RoPE pairs in half-split order, llama.cpp vs
+  the Q4_0 experts is off by 0.13.
 
 The bounds below are over the logits' std.
 """
@@ -84,6 +104,7 @@ class Bounds:
     q4_0_resident: tuple[float, float, float]  # max, mean over std; greedy agreement
     q4_0_names: tuple[str, ...]  # resident matrices requantized with resident_type="q4_0"
     f32_names: tuple[str, ...]  # kept F32 whatever the resident type
+    dense_layers: int = 0  # leading layers with a dense MLP instead of experts
 
 
 BOUNDS = {
@@ -127,6 +148,38 @@ BOUNDS = {
             "blk.0.attn_norm.weight",
         ),
     ),
+    "bailing_moe_v3": Bounds(
+        arch="bailingmoe3",
+        tensors=3 + 18 + 2 * 23 + 19,  # KDA + dense MLP, 2 x (KDA + MoE), MLA + MoE
+        max_over_std=0.4,  # measured 0.197 (requantization alone 0.199)
+        mean_over_std=0.04,  # measured 0.016
+        llama_vs_q4_0_max_over_std=0.05,  # measured 0.018
+        greedy=0.9,  # measured 32/32
+        routing=0.9,  # measured 95/96
+        requant_greedy=0.9,  # measured 32/32
+        requant_routing=0.9,  # measured 95/96
+        q4_0_resident=(2.5, 0.4, 0.6),  # measured 1.15, 0.18, 26/32
+        q4_0_names=(
+            "token_embd.weight",
+            "output.weight",
+            "blk.0.attn_q.weight",
+            "blk.0.ssm_f_a.weight",
+            "blk.0.ffn_gate.weight",
+            "blk.1.ffn_up_shexp.weight",
+            "blk.3.attn_q_b.weight",
+            "blk.3.attn_gate.weight",
+        ),
+        f32_names=(
+            "blk.1.ffn_gate_inp.weight",
+            "blk.1.exp_probs_b.bias",
+            "blk.0.ssm_conv1d_q.weight",
+            "blk.0.ssm_a",
+            "blk.0.attn_norm.weight",
+            "blk.3.attn_k_b.weight",
+            "blk.3.attn_v_b.weight",
+        ),
+        dense_layers=1,
+    ),
 }
 ALL_MOE = {"qwen3_moe": {"mlp_only_layers": []}}  # llama.cpp's qwen3moe has no dense layers
 
@@ -154,10 +207,19 @@ def peer(request, tmp_path_factory, tokenizer_dir) -> Peer:
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(config)))
     model.update(tree_map_with_path(tiny._randomize, model.parameters()))
+    model.update(tree_map_with_path(_spread_kda_decay, model.parameters()))
     mx.eval(model.parameters())
     src = tiny.save_mlx(model, config, root / "stock", tokenizer_dir, bits=4)
     report = write_gguf(src, root / "stock.gguf")
     return Peer(model_type, src, root / "stock.gguf", report, BOUNDS[model_type])
+
+
+def _spread_kda_decay(path: str, v: mx.array) -> mx.array:
+    """bailing_moe_v3's stock init leaves the KDA decay's ``A_log`` and ``dt_bias``
+    at zero, where exp(A_log) and the bias would go untested."""
+    if path.endswith(("attention.A_log", "attention.dt_bias")):
+        return mx.random.normal(v.shape) * 0.5
+    return v
 
 
 def _mlx_logits(model) -> np.ndarray:
@@ -176,18 +238,21 @@ def test_gguf_layout(peer):
     reader = gguf.GGUFReader(peer.path)
     tensors = {t.name: t for t in reader.tensors}
     q4_0 = gguf.GGMLQuantizationType.Q4_0
+    moe_layers = range(peer.bounds.dense_layers, tiny.LAYERS)
     for layer in range(tiny.LAYERS):
+        assert (f"blk.{layer}.ffn_gate_exps.weight" in tensors) == (layer in moe_layers)
+    for layer in moe_layers:
         assert tensors[f"blk.{layer}.ffn_gate_exps.weight"].tensor_type == q4_0
     assert list(tensors["blk.3.ffn_gate_exps.weight"].shape) == [tiny.HIDDEN, tiny.MOE_INTERMEDIATE, tiny.EXPERTS]
     assert list(tensors["blk.3.ffn_down_exps.weight"].shape) == [tiny.MOE_INTERMEDIATE, tiny.HIDDEN, tiny.EXPERTS]
-    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert tensors["blk.3.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert len(tensors) == peer.bounds.tensors
     assert _field(reader, "general.architecture") == peer.bounds.arch == peer.report.arch
     assert peer.report.tokenizer == "gpt2" and peer.report.tensors == len(tensors)
     # Q4_0 keeps 4.5 bits per expert weight, like int4 g64 with bf16 scales and biases.
-    weights = tiny.LAYERS * tiny.EXPERTS * 3 * tiny.HIDDEN * tiny.MOE_INTERMEDIATE
+    weights = len(moe_layers) * tiny.EXPERTS * 3 * tiny.HIDDEN * tiny.MOE_INTERMEDIATE
     assert peer.report.expert_bytes * 8 / weights == 4.5
-    assert 0 < peer.report.expert_rel_error < 0.05  # measured 0.030 (both)
+    assert 0 < peer.report.expert_rel_error < 0.05  # measured 0.030 (all three)
 
 
 def _field(reader, key: str):
@@ -279,6 +344,83 @@ def test_qwen35moe_layout_and_values(peer):
     assert 0.85 < norm.min() and norm.max() < 1.15
 
 
+@pytest.mark.parametrize("peer", ["bailing_moe_v3"], indirect=True)
+def test_bailingmoe3_layout_and_values(peer):
+    """What llama.cpp's bailingmoe3 reads, tensor by tensor, against the stock
+    checkpoint: KDA layers 0-2 (layer 0 with a dense MLP), gated MLA in layer 3
+    with mlx-lm's absorbed k/v matrices as attn_k_b / attn_v_b."""
+    reader = gguf.GGUFReader(peer.path)
+    tensors = {t.name: t for t in reader.tensors}
+    text = tiny.tiny_config("bailing_moe_v3")
+    heads, head_dim, hidden = text["num_attention_heads"], text["head_dim"], tiny.HIDDEN
+    inner, kernel = heads * head_dim, text["short_conv_kernel_size"]
+    q_lora, kv_lora, rope = text["q_lora_rank"], text["kv_lora_rank"], text["qk_rope_head_dim"]
+    nope, v_dim = text["qk_nope_head_dim"], text["v_head_dim"]
+    shapes = {  # ggml order (innermost first), as llama.cpp's loader checks them
+        "blk.0.attn_q.weight": [hidden, inner],
+        "blk.0.ssm_conv1d_q.weight": [kernel, 1, inner],
+        "blk.0.ssm_conv1d_v.weight": [kernel, 1, inner],
+        "blk.0.ssm_f_a.weight": [hidden, inner],
+        "blk.0.ssm_beta.weight": [hidden, heads],
+        "blk.0.ssm_a": [1, heads],
+        "blk.0.ssm_dt.bias": [inner],
+        "blk.0.ssm_g_a.weight": [hidden, inner],
+        "blk.0.ssm_norm.weight": [head_dim],
+        "blk.0.attn_output.weight": [inner, hidden],
+        "blk.0.ffn_gate.weight": [hidden, text["intermediate_size"]],
+        "blk.1.exp_probs_b.bias": [tiny.EXPERTS],
+        "blk.1.ffn_gate_shexp.weight": [hidden, text["moe_shared_expert_intermediate_size"]],
+        "blk.3.attn_q_a.weight": [hidden, q_lora],
+        "blk.3.attn_q_b.weight": [q_lora, heads * (nope + rope)],
+        "blk.3.attn_kv_a_mqa.weight": [hidden, kv_lora + rope],
+        "blk.3.attn_kv_a_norm.weight": [kv_lora],
+        "blk.3.attn_k_b.weight": [nope, kv_lora, heads],
+        "blk.3.attn_v_b.weight": [kv_lora, v_dim, heads],
+        "blk.3.attn_gate.weight": [hidden, heads],
+        "blk.3.attn_output.weight": [heads * v_dim, hidden],
+    }
+    assert {name: list(tensors[name].shape) for name in shapes} == shapes
+    for absent in ("blk.3.ssm_a", "blk.0.attn_q_a.weight", "blk.0.ffn_gate_inp.weight", "blk.1.ffn_gate.weight"):
+        assert absent not in tensors, absent
+    expected = {
+        "bailingmoe3.attention.head_count_kv": [0, 0, 0, 1],  # 0 marks a KDA layer
+        "bailingmoe3.attention.key_length_mla": nope + rope,
+        "bailingmoe3.attention.value_length_mla": v_dim,
+        "bailingmoe3.attention.kv_lora_rank": kv_lora,
+        "bailingmoe3.attention.q_lora_rank": q_lora,
+        "bailingmoe3.rope.dimension_count": rope,
+        "bailingmoe3.kda.head_dim": head_dim,
+        "bailingmoe3.kda.safe_gate": True,
+        "bailingmoe3.kda.gate_lower_bound": -5.0,
+        "bailingmoe3.ssm.conv_kernel": kernel,
+        "bailingmoe3.leading_dense_block_count": 1,
+        "bailingmoe3.expert_group_count": 4,
+        "bailingmoe3.expert_group_used_count": 2,
+        "bailingmoe3.expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
+        "bailingmoe3.expert_weights_norm": True,
+        "bailingmoe3.expert_weights_scale": 2.5,
+        "bailingmoe3.expert_shared_count": 1,
+    }
+    assert {k: _field(reader, k) for k in expected} == expected
+
+    data = {name: np.asarray(t.data, np.float32) for name, t in tensors.items()}
+    attention = "model.layers.0.attention"
+    a_log = _source(peer.src, f"{attention}.A_log")
+    assert a_log.std() > 0.1  # spread by the fixture, so exp() is tested
+    np.testing.assert_allclose(data["blk.0.ssm_a"], np.exp(a_log)[:, None], rtol=1e-6)
+    np.testing.assert_array_equal(data["blk.0.ssm_dt.bias"], _source(peer.src, f"{attention}.dt_bias"))
+    conv = _source(peer.src, f"{attention}.k_conv1d")  # [C, K, 1]
+    np.testing.assert_array_equal(data["blk.0.ssm_conv1d_k.weight"], conv[..., 0][:, None, :])
+    bias = _source(peer.src, "model.layers.1.mlp.gate.expert_bias")
+    np.testing.assert_array_equal(data["blk.1.exp_probs_b.bias"], bias)
+    embed_q = _source(peer.src, "model.layers.3.attention.embed_q")  # [heads, kv_lora, nope]
+    np.testing.assert_allclose(data["blk.3.attn_k_b.weight"], embed_q, rtol=1e-3, atol=1e-4)
+    unembed = _source(peer.src, "model.layers.3.attention.unembed_out")  # [heads, v_dim, kv_lora]
+    np.testing.assert_allclose(data["blk.3.attn_v_b.weight"], unembed, rtol=1e-3, atol=1e-4)
+    norm = _source(peer.src, "model.layers.0.input_layernorm")
+    np.testing.assert_array_equal(data["blk.0.attn_norm.weight"], norm)
+
+
 def test_refuses_what_llama_cpp_cannot_run():
     """Each refusal names config.json and the field."""
     where = Path("ckpt/config.json")
@@ -303,11 +445,29 @@ def test_refuses_what_llama_cpp_cannot_run():
         config["text_config"] |= change
         with pytest.raises(GGUFConversionError, match=f"config.json.*{message}"):
             check_config(config, where)
+    ling = tiny.tiny_config("bailing_moe_v3")
+    check_config(ling, where)
+    # Ling 3.0 says bailing_hybrid and loads by its architecture; without it, mlx-lm loads another model.
+    with pytest.raises(GGUFConversionError, match="config.json.*model_type 'bailing_hybrid'.*bailing_moe_v3"):
+        check_config(ling | {"architectures": []}, where)
+    refused = {
+        "kda_lower_bound": ({"kda_lower_bound": 0.0}, "bailingmoe3.*kda_lower_bound=0.0"),
+        "kda_safe_gate": ({"kda_safe_gate": False}, "kda_safe_gate=false"),
+        "no_kda_lora": ({"no_kda_lora": False}, "no_kda_lora=false"),
+        "rope_scaling": ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling=.*yarn"),
+        "num_shared_experts": ({"num_shared_experts": 0}, "num_shared_experts=0"),
+        "n_group": ({"n_group": 3}, "num_experts=16 is not a multiple of n_group=3"),
+    }
+    for field, (change, message) in refused.items():
+        with pytest.raises(GGUFConversionError, match=f"config.json.*{message}"):
+            check_config(ling | change, where)
 
 
 def _expert_picks(model) -> list[np.ndarray]:
-    """Per MoE layer, each token's routed set (sorted ids), recorded at the router."""
-    logits = []
+    """Per MoE layer, each token's routed set (sorted ids), recorded at the router:
+    the top-k of its logits (qwen), or the ids it returns (bailing's grouped,
+    biased selection)."""
+    outputs = []
 
     class Recorder(nn.Module):
         def __init__(self, gate):
@@ -316,14 +476,17 @@ def _expert_picks(model) -> list[np.ndarray]:
 
         def __call__(self, x):
             out = self.inner(x)
-            logits.append(out)
+            outputs.append(out)
             return out
 
-    for layer in model.layers:
-        layer.mlp.gate = Recorder(layer.mlp.gate)
+    moe = [layer.mlp for layer in model.layers if "gate" in layer.mlp]  # not a dense MLP
+    for mlp in moe:
+        mlp.gate = Recorder(mlp.gate)
     model(mx.array(TOKENS)[None])
-    k = model.layers[0].mlp.top_k
-    return [np.sort(np.argsort(-np.array(g[0]), axis=-1)[:, :k], axis=-1) for g in logits]
+    if isinstance(outputs[0], tuple):
+        return [np.sort(np.array(ids[0]), axis=-1) for ids, _ in outputs]
+    k = moe[0].top_k
+    return [np.sort(np.argsort(-np.array(g[0]), axis=-1)[:, :k], axis=-1) for g in outputs]
 
 
 def _same_routing(a: list[np.ndarray], b: list[np.ndarray]) -> list[float]:
@@ -369,7 +532,8 @@ def test_llama_cpp_load_modes_and_step_decode_agree(peer):
         steps = np.concatenate([m.forward([t]) for t in TOKENS])
         m.reset()
         again = m.forward(TOKENS[:4], all_logits=True)
-    # measured 0.0041 / 0.0043 (different matmul batching; qwen3_5_moe: recurrent vs chunked delta rule)
+    # measured 0.0041 / 0.0043 / 0.0068 (different matmul batching; qwen3_5_moe, bailing_moe_v3: recurrent vs
+    # chunked delta rule)
     assert np.abs(steps - batched).max() < 0.01
     assert np.array_equal(again, batched[:4])
 
@@ -467,7 +631,7 @@ def test_stock_llama_class_loads_and_tokenizes_like_tokenizers(peer, tokenizer_d
     llm.eval(TOKENS)
     scores = np.array(llm.scores[: len(TOKENS)])
     ours = _llama_logits(peer.path)
-    # measured 0.012 (qwen3_moe), 0.018 (qwen3_5_moe)
+    # measured 0.012 (qwen3_moe), 0.018 (qwen3_5_moe), 0.020 (bailing_moe_v3)
     assert np.abs(scores - ours).max() / ours.std() < peer.bounds.llama_vs_q4_0_max_over_std
     reference = Tokenizer.from_file(str(peer.src / "tokenizer.json"))
     for text in ("def f(x):\n    return x  # done", "import os, sys\n\nclass A(object):\n\tpass"):

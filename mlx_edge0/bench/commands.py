@@ -126,9 +126,9 @@ def synth(
     "and norms are F32.",
 )
 def gguf(stock: Path, out: Optional[Path], resident_type: str):
-    """Write the stock qwen3_moe or qwen3_5_moe checkpoint STOCK as a GGUF for the llama.cpp arms
-    (llama.cpp's qwen3moe / qwen35moe; experts requantized to Q4_0) [default OUT: STOCK.gguf beside
-    STOCK]. Needs the peers extra."""
+    """Write the stock qwen3_moe, qwen3_5_moe or bailing_moe_v3 (Ling 3.0) checkpoint STOCK as a GGUF
+    for the llama.cpp arms (llama.cpp's qwen3moe / qwen35moe / bailingmoe3; experts requantized to
+    Q4_0) [default OUT: STOCK.gguf beside STOCK]. Needs the peers extra."""
     from .gguf_peer import GGUFConversionError, write_gguf
 
     out = out or peer_gguf_path(stock)

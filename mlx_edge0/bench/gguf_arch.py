@@ -1,23 +1,24 @@
 """What a llama.cpp architecture mapping is, for the GGUF writer (``gguf_peer.py``).
 
-A mapping (:class:`Architecture`) says, for one mlx-lm ``model_type``, which
-llama.cpp architecture it becomes, what in its config llama.cpp cannot run,
-which GGUF tensor each mlx-lm parameter of a layer becomes (:class:`Mapped`,
-with a transform where llama.cpp stores it differently from mlx-lm) and which
-hyperparameters it writes. It never reads a weight: :func:`plan_tensors` turns
-it into one :class:`TensorPlan` per GGUF tensor from the config and the
-checkpoint's tensor shapes, and the writer streams the plan.
+A mapping (:class:`Architecture`) says, for one mlx-lm model type (the module
+mlx-lm loads the checkpoint with), which llama.cpp architecture it becomes,
+what in its config llama.cpp cannot run, which GGUF tensor each mlx-lm
+parameter of a layer becomes (:class:`Mapped`, with a transform where llama.cpp
+stores it differently from mlx-lm) and which hyperparameters it writes. It
+never reads a weight: :func:`plan_tensors` turns it into one :class:`TensorPlan`
+per GGUF tensor from the config and the checkpoint's tensor shapes, and the
+writer streams the plan.
 
 What every mapping shares lives here once: the softmax-attention and
 routed-expert tensors (mlx-lm names them alike in qwen3_moe and qwen3_5_moe),
 the top-level tensors, the tensor kinds (routed experts Q4_0; routers, gates,
-the convolution and every vector F32; the other matrices the resident type)
-and the hyperparameters both architectures read.
+the convolutions, the absorbed MLA matrices and every vector F32; the other
+matrices the resident type) and the hyperparameters every architecture reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -28,8 +29,20 @@ Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # weights per block, bytes per block (f16 scale
 RESIDENT_TYPES = ("f16", "f32", "q4_0")
 EXPERT_TENSORS = ("FFN_GATE_EXP", "FFN_UP_EXP", "FFN_DOWN_EXP")
 # Kept at full precision whatever the resident type: routing and gating are what
-# the arms compare; convert_hf_to_gguf keeps the conv kernel F32 too.
-F32_TENSORS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "SSM_CONV1D")
+# the arms compare; convert_hf_to_gguf keeps the conv kernels F32 too. The absorbed
+# MLA matrices stay F32 because llama.cpp's default load (CPU repack buffers) takes
+# them in F16 or Q4_0 and then has no backend for their per-head matmul: it aborts.
+F32_TENSORS = (
+    "FFN_GATE_INP",
+    "FFN_GATE_INP_SHEXP",
+    "SSM_CONV1D",
+    "SSM_CONV1D_Q",
+    "SSM_CONV1D_K",
+    "SSM_CONV1D_V",
+    "SSM_A",
+    "ATTN_K_B",
+    "ATTN_V_B",
+)
 
 
 class GGUFConversionError(ValueError):
@@ -59,6 +72,9 @@ class Mapped:
     shape: Optional[tuple[int, ...]] = None
 
 
+TOP_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One mlx-lm model type written as one llama.cpp architecture.
@@ -71,6 +87,7 @@ class Architecture:
         problems: text config -> what llama.cpp cannot run, each naming its field.
         layer: (text config, layer) -> {parameter path below the layer: tensor}.
         hparams: (``gguf.GGUFWriter``, text config) -> writes the metadata keys.
+        top: text-model module path -> tensor, for the embedding, final norm and LM head.
     """
 
     name: str
@@ -80,6 +97,7 @@ class Architecture:
     problems: Callable[[dict], list[str]]
     layer: Callable[[dict, int], dict[str, Mapped]]
     hparams: Callable[[Any, dict], None]
+    top: dict[str, str] = field(default_factory=lambda: dict(TOP_TENSORS))
 
 
 SOFTMAX_ATTENTION = {
@@ -96,7 +114,6 @@ ROUTED_EXPERTS = {
     "mlp.switch_mlp.up_proj": Mapped("FFN_UP_EXP"),
     "mlp.switch_mlp.down_proj": Mapped("FFN_DOWN_EXP"),
 }
-TOP_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
 
 
 @dataclass(frozen=True)
@@ -158,7 +175,7 @@ def plan_tensors(arch: Architecture, text: dict, shapes: Shapes, resident_type: 
         name = tensor_name(mapped.tensor, bid, mapped.suffix)
         plan.append(TensorPlan(name, source, kind, shape, mapped.tensor in EXPERT_TENSORS, mapped.transform))
 
-    for module, tensor in TOP_TENSORS.items():
+    for module, tensor in arch.top.items():
         source = arch.prefix + module
         if source in shapes:
             add(source, Mapped(tensor))
@@ -174,9 +191,8 @@ def plan_tensors(arch: Architecture, text: dict, shapes: Shapes, resident_type: 
 
 
 def add_common_hparams(writer, text: dict) -> None:
-    """The keys both architectures read: sizes, attention heads, RoPE base, norm
-    epsilon and the routed experts."""
-    gguf = gguf_module()
+    """The keys both Qwen architectures read: sizes, attention heads, RoPE base,
+    norm epsilon and the routed experts."""
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     writer.add_block_count(text["num_hidden_layers"])
     writer.add_context_length(text["max_position_embeddings"])
@@ -187,6 +203,12 @@ def add_common_hparams(writer, text: dict) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(text.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(text["rms_norm_eps"]))
+    add_expert_hparams(writer, text)
+
+
+def add_expert_hparams(writer, text: dict) -> None:
+    """The routed experts' keys and the file type, which every architecture writes."""
+    gguf = gguf_module()
     writer.add_expert_count(text["num_experts"])
     writer.add_expert_used_count(text["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(text["moe_intermediate_size"])

@@ -5,7 +5,9 @@ this module converts the mlx-lm int4 checkpoint (``edge0 bench synth`` output,
 or any mlx-lm checkpoint of a model type below) with ``gguf.GGUFWriter``. What
 each model type becomes is its mapping's business (``gguf_arch.py``):
 ``qwen3_moe`` -> ``qwen3moe`` (``gguf_qwen3moe.py``), ``qwen3_5_moe`` ->
-``qwen35moe`` (``gguf_qwen35moe.py``); this module reads, converts and streams.
+``qwen35moe`` (``gguf_qwen35moe.py``), ``bailing_moe_v3`` (Ling 3.0) ->
+``bailingmoe3`` (``gguf_bailingmoe3.py``); this module reads, converts and
+streams.
 
 What is kept and what changes:
 
@@ -55,6 +57,8 @@ from .gguf_arch import (
     plan_tensors,
     tensor_name,
 )
+from ..model_patches import resolve_model_type
+from .gguf_bailingmoe3 import BAILINGMOE3
 from .gguf_qwen3moe import QWEN3MOE
 from .gguf_qwen35moe import QWEN35MOE
 
@@ -69,7 +73,7 @@ __all__ = [
     "with_gguf_experts",
     "write_gguf",
 ]
-ARCHITECTURES = {a.model_type: a for a in (QWEN3MOE, QWEN35MOE)}
+ARCHITECTURES = {a.model_type: a for a in (QWEN3MOE, QWEN35MOE, BAILINGMOE3)}  # by mlx-lm module
 EXPERT_CHUNK = 8  # experts dequantized and requantized at a time (bounds the float32 copy)
 RESIDENT_CHUNK = 4096  # rows of a resident matrix requantized at a time
 NP_TYPES = {"q4_0": np.uint8, "f16": np.float16, "f32": np.float32}
@@ -100,14 +104,15 @@ class GGUFReport:
 
 
 def architecture(config: dict, where: Path) -> Architecture:
-    """The mapping for ``config`` (read from ``where``), its model type checked
-    against what llama.cpp runs.
+    """The mapping for ``config`` (read from ``where``), found by the mlx-lm module
+    that loads it (Ling 3.0 says ``bailing_hybrid`` and loads as ``bailing_moe_v3``),
+    checked against what llama.cpp runs.
 
     Raises:
         GGUFConversionError: a model type without a mapping, or a config the
             mapped llama.cpp architecture cannot run (each problem naming its field).
     """
-    arch = ARCHITECTURES.get(config.get("model_type"))
+    arch = ARCHITECTURES.get(resolve_model_type(config))
     if arch is None:
         known = ", ".join(f"{a.model_type} (as {a.name})" for a in ARCHITECTURES.values())
         raise GGUFConversionError(f"{where}: model_type {config.get('model_type')!r}; bench gguf writes {known}")
@@ -303,7 +308,7 @@ def write_gguf(
     resident_type: str = "f16",
     progress: Optional[Callable[[str], None]] = None,
 ) -> GGUFReport:
-    """Write the mlx-lm checkpoint ``src`` (qwen3_moe or qwen3_5_moe) as a GGUF file ``out``.
+    """Write the mlx-lm checkpoint ``src`` (a model type above) as a GGUF file ``out``.
 
     Args:
         src: an mlx-lm checkpoint directory (config.json, model*.safetensors,
@@ -379,6 +384,8 @@ def with_gguf_experts(model, gguf_path: Path | str):
     model = dequantize_model(model)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
     for i, layer in enumerate(model.layers):
+        if tensor_name("FFN_GATE_EXP", i) not in tensors:
+            continue  # a dense layer (bailing_moe_v3's first_k_dense_replace)
         swapped = []
         for proj, tensor in (("gate_proj", "FFN_GATE_EXP"), ("up_proj", "FFN_UP_EXP"), ("down_proj", "FFN_DOWN_EXP")):
             dense = dequantize_q4_0(np.asarray(tensors[tensor_name(tensor, i)].data))
