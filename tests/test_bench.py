@@ -205,6 +205,13 @@ def test_window_arms_decode_the_prerouter_arms_tokens_in_fewer_staged_rows():
     assert auto["resident_bytes"]["staged"] * 5 == pre["resident_bytes"]["staged"] * auto["staged_window"]
     assert run_metrics(auto)["staged_window"] == auto["staged_window"]
     assert all("prerouted_wait_ms" in step for step in auto["decode_step_counters"])
+    # decode pipelined as generate_step: the per-step counters still add up to exactly the decoded steps
+    for run in runs:
+        steps = run["decode_step_counters"]
+        assert len(steps) == len(run["decode_step_s"]) == 6
+        for key in ("prerouted", "expert_loads", "staged_read"):
+            assert sum(step[key] for step in steps) == run["decode_counters"][key]
+        assert run["decode_counters"]["prerouted"] == 6 * 5  # every consumer of every decoded step
 
 
 def test_hot_arm_replays_its_decode_trace_against_beladys_min():

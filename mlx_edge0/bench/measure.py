@@ -212,7 +212,14 @@ def measure(spec: RunSpec) -> dict:
     next token of :func:`forced_tokens`, so every arm routes the same token
     sequence whatever it predicts (random weights loop under greedy decoding,
     onto the same experts); ``tokens`` are each step's argmax, comparable
-    position by position across arms."""
+    position by position across arms.
+
+    The timed steps run as mlx-lm's ``generate_step`` runs them: step t+1's
+    graph is built and queued (``async_eval``) before step t's token is read
+    back, so the host's work for t+1 (a prerouted step's fills start when it
+    opens) overlaps step t's compute. The fed token is made to depend on
+    step t's output (``mx.depends``), so step t+1 waits for step t's token
+    exactly as a sampled one would."""
     if is_peer_arm(spec.arm):
         return measure_llamacpp(spec)
     import mlx.core as mx
@@ -261,14 +268,14 @@ def measure(spec: RunSpec) -> dict:
     fed = forced_tokens(vocab, WARMUP_STEPS + spec.decode_tokens, spec.seed)
     feed = iter(fed)
 
-    def step(y: mx.array) -> mx.array:
-        y = mx.argmax(model(mx.array([[next(feed)]], mx.int32), cache=cache)[:, -1, :], axis=-1)
-        mx.eval(y)
-        tokens.append(y.item())
-        return y
+    def forward(y: mx.array) -> mx.array:
+        """Queue the next step's graph: the next fed token, after ``y``."""
+        fed_token = mx.depends(mx.array([[next(feed)]], mx.int32), y)
+        return mx.argmax(model(fed_token, cache=cache)[:, -1, :], axis=-1)
 
     for _ in range(WARMUP_STEPS):
-        y = step(y)
+        y = forward(y)
+        tokens.append(y.item())
     record["prefill_peak_memory"] = mx.get_peak_memory()
 
     evict = checkpoint_files(spec.path) if spec.evict_between_steps else []
@@ -279,25 +286,38 @@ def measure(spec: RunSpec) -> dict:
     telemetry = model.edge0_runtime.telemetry if hasattr(model, "edge0_runtime") else None
     routed_steps: list[list[tuple[int, list[int]]]] = []
     device_before = device_read_bytes()
-    for _ in range(spec.decode_tokens):
-        if telemetry is not None:
+
+    def queue(y: mx.array) -> mx.array:
+        """Build the next step's graph after ``y`` and start computing it."""
+        if telemetry is not None:  # the host routes a step while building it
             telemetry.routing_trace = []
+            routed_steps.append(telemetry.routing_trace)
         if evict:
             drop_page_cache(evict)
-        if profile:
-            profile.enable()
-        t0 = time.perf_counter()
-        y = step(y)
-        steps.append(time.perf_counter() - t0)
-        if profile:
-            profile.disable()
-        if telemetry is not None:
-            routed_steps.append(telemetry.routing_trace)
-            telemetry.routing_trace = None
+        queued = forward(y)
+        mx.async_eval(queued)
+        return queued
+
+    if profile:
+        profile.enable()
+    t0 = time.perf_counter()
+    queued = queue(y)
+    for i in range(spec.decode_tokens):
+        y = queued
+        if i + 1 < spec.decode_tokens:
+            queued = queue(y)  # as generate_step: the next step before this token
+        tokens.append(y.item())
+        now = time.perf_counter()
+        steps.append(now - t0)
+        t0 = now
         after = _counters(model)
         if after is not None:
             per_step.append({k: after.get(k, 0) - before.get(k, 0) for k in STEP_COUNTERS})
         before = after
+    if profile:
+        profile.disable()
+    if telemetry is not None:
+        telemetry.routing_trace = None
     record["decode_peak_memory"] = mx.get_peak_memory()
     record["device_bytes_per_token"] = (device_read_bytes() - device_before) / spec.decode_tokens
     decode_counters = _counters(model)
