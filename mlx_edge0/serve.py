@@ -20,11 +20,9 @@ checkpoint checked here. ``edge0 serve`` only
 
 from __future__ import annotations
 
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +33,7 @@ import click
 
 from .checkpoint import CheckpointError, read_config, text_config
 from .flags import model_option, option_flags, options_from_flags
+from .interrupts import terminate_as_interrupt
 from .pinned_server import ServingSpec
 from .tensorfile import TensorFileError
 
@@ -136,15 +135,11 @@ def serve_checkpoint(spec: ServingSpec, server_args: Sequence[str] = (), log: Ca
     SIGTERM: returns 0) or the server exits by itself (returns its status)."""
     local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(spec.host, spec.host)
     health_url = f"http://{f'[{local}]' if ':' in local else local}:{spec.port}/health"
-    main_thread = threading.current_thread() is threading.main_thread()
-    saved = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     try:
-        return supervise(server_argv(spec, server_args), health_url, log=log)
+        with terminate_as_interrupt():
+            return supervise(server_argv(spec, server_args), health_url, log=log)
     except KeyboardInterrupt:
         return 0
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, saved)
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True})

@@ -185,3 +185,46 @@ def test_small_mac_preset_scales_with_the_checkpoint(converted, tmp_path):
         ],
     )
     assert result.exit_code == 1 and "too small for Python and MLX to start in" in result.output
+
+
+def test_a_stopped_bench_kills_its_arm_and_removes_the_cgroups(converted, tmp_path):
+    """SIGTERM to ``edge0 bench run`` (a user's ``kill``, a job's timeout)
+    mid-arm ends the arm's process and removes the cgroups made for it, as
+    Ctrl-C does: nothing is left under this process's own cgroups."""
+    import signal
+
+    conv = converted("qwen3_moe")
+    regime = Regime(memory_cap_gib=4, read_mbps=200)
+    skip_unless_available(regime, conv.edge0)
+    layout = own_cgroups()
+    argv = [
+        sys.executable, "-c", "from mlx_edge0.cli import main; main()", "bench", "run", "--edge0", str(conv.edge0),
+        "--arms", "edge0-exact", "--rounds", "1", "--prompt-tokens", "4", "--decode-tokens", "100000",
+        "--cache", "cold", "--memory-cap", "4", "--read-mbps", "200", "--out", str(tmp_path / "r.json"),
+    ]  # fmt: skip
+    bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefix = f"edge0-bench-{bench.pid}-"
+    arm_pids: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not arm_pids and time.monotonic() < deadline and bench.poll() is None:
+            made = [d for d in layout.memory.iterdir() if d.name.startswith(prefix)]
+            arm_pids = [p for d in made for p in (d / "cgroup.procs").read_text().split()] if made else []
+            time.sleep(0.05)
+        assert arm_pids, "the arm never started in its cgroup"
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode == 1 and "Aborted" in err
+        assert not any(Path(f"/proc/{pid}").exists() for pid in arm_pids)
+        for root in {layout.memory, layout.io}:
+            assert not [d.name for d in root.iterdir() if d.name.startswith(prefix)]
+    finally:  # on failure, leave no arm decoding and no cgroup behind
+        bench.kill()
+        for pid in arm_pids:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.5)
+        for root in {layout.memory, layout.io}:
+            for d in root.iterdir():
+                if d.name.startswith(prefix):
+                    d.rmdir()

@@ -10,6 +10,7 @@ from typing import Optional
 import click
 
 from ..checkpoint import human_bytes
+from ..interrupts import terminate_as_interrupt
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
 from .gguf_peer import RESIDENT_TYPES
 from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path, with_budget
@@ -71,8 +72,11 @@ def _budgets(ctx, param, value: str) -> tuple[float, ...]:
 
 
 @click.group()
-def bench():
+@click.pass_context
+def bench(ctx: click.Context):
     """Synthetic checkpoints and timing benchmarks."""
+    # A stopped bench (SIGTERM) kills its arm's process and removes the arm's cgroups on the way out.
+    ctx.with_resource(terminate_as_interrupt())
 
 
 @bench.command()
