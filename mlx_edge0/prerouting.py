@@ -151,7 +151,9 @@ class Prerouting:
             consumer_of: owner layer -> the layer its head predicts.
             routes: consumer layer -> its routing math.
             buffers: consumer layer -> its staging buffer (without a window).
-            window: the window's staging buffers (empty: one per consumer).
+            window: the window's staging buffers (empty: one per consumer):
+                the caller's list, kept as is (one list of the window's
+                buffers), and grown only by :meth:`add_window_buffer`.
             local: the experts of a routed set this process computes (an
                 expert-parallel rank's own; default all): only those are staged.
         """
@@ -159,7 +161,7 @@ class Prerouting:
         self.consumer_of = consumer_of
         self.routes = {c: routes[c] for c in consumer_of.values()}
         self.buffers = buffers
-        self.window = list(window)
+        self.window = window
         self.hot = hot
         self.telemetry = telemetry
         self.compute_dtype = compute_dtype

@@ -262,10 +262,8 @@ class StreamingRuntime:
         depth."""
         if self.options.staged_window == "auto" and self.prerouting is not None:
             depth = grown_window(len(self.window), step.prerouted_wait_s, step.step_s, self.window_limit)
-            while len(self.window) < depth:
-                buffer = self._window_buffer()
-                self.window.append(buffer)
-                self.prerouting.add_window_buffer(buffer)
+            while len(self.window) < depth:  # the prerouter holds this same list
+                self.prerouting.add_window_buffer(self._window_buffer())
         return len(self.window)
 
     def _window_buffer(self) -> StagingBuffer:

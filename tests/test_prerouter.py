@@ -394,6 +394,7 @@ def test_an_auto_window_computes_the_same_numbers_and_grows_after_steps_that_wai
     got = _greedy_logprobs(auto, ids, 24, between=stall)
     assert got[0] == want[0] and mx.array_equal(got[1], want[1]).item()
     assert depths == [(3, 5), (5, 5), (5, 5)] and len(rt.window) == 5
+    assert rt.prerouting.window is rt.window  # one list of the window's buffers, grown in one place
     assert auto.stats()["staged_window"] == 5 and auto.stats()["resident_bytes"]["staged"] == largest
     assert rt.staged_nbytes(largest=True) == largest
     s = auto.stats()
