@@ -130,6 +130,7 @@ def generate(
 
     from . import load
     from .checkpoint import CheckpointError
+    from .parallel import settle
     from .sampling import read_sampling
     from .telemetry import format_stats
     from .tensorfile import TensorFileError
@@ -193,6 +194,8 @@ def generate(
     elif stats:
         header = f"rank {group.rank()} of {group.size()}:\n" if ranked else ""
         click.echo(header + format_stats(model.stats()), err=True)
+    if ranked:  # no rank exits while another still needs it
+        settle(group)
 
 
 @main.command()

@@ -291,6 +291,14 @@ def ranks_on_host(group: Any) -> int:
     return int(sum(np.array_equal(host, hosts[group.rank()]) for host in hosts))
 
 
+def settle(group: Any) -> None:
+    """Return once every rank of ``group`` has ended its work in flight. A
+    rank that exits while another still runs collectives with it (the step
+    generate_step queues after the last token) fails that rank's calls:
+    "connection to a peer was lost"."""
+    gather_bytes(group, b"\0")
+
+
 def gather_bytes(group: Any, data: bytes) -> np.ndarray:
     """Every rank's ``data`` (the same length on every rank), one row per rank."""
     # Collectives of different streams must not interleave: let work still in
