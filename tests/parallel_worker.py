@@ -23,6 +23,7 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
+from mlx_edge0.parallel import settle
 
 
 def run_one(run: dict, group: Optional[Any]) -> dict[str, np.ndarray]:
@@ -47,7 +48,11 @@ def run_one(run: dict, group: Optional[Any]) -> dict[str, np.ndarray]:
     for token, lp in generate_step(ids, model, max_tokens=run["tokens"], prompt_cache=cache):
         tokens.append(int(token))
         logprobs.append(np.array(lp.astype(mx.float32)))
-    mx.synchronize(generation_stream)  # generate_step leaves a step ahead running: its collectives end first
+    # generate_step leaves a step ahead running: it ends first (its collectives on every rank)
+    if group is None:
+        mx.synchronize(generation_stream)
+    else:
+        settle(group)
     read = np.array(sorted({(layer, e) for layer, ids in telemetry.read_trace for e in ids}), np.int64)
     stats = model.stats()
     return {

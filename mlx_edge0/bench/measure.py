@@ -269,7 +269,7 @@ def measure(spec: RunSpec) -> dict:
     feed = iter(fed)
 
     def forward(y: mx.array) -> mx.array:
-        """Queue the next step's graph: the next fed token, after ``y``."""
+        """Build the next step's graph: the next fed token, after ``y``."""
         fed_token = mx.depends(mx.array([[next(feed)]], mx.int32), y)
         return mx.argmax(model(fed_token, cache=cache)[:, -1, :], axis=-1)
 
