@@ -29,9 +29,9 @@ from mlx_lm.utils import load_model
 
 from mlx_edge0.bench.locality import LocalitySummary
 from mlx_edge0.bench.synth import SynthOptions, synth_checkpoint
-from mlx_edge0.bench.synthetic_router import teacher_forced_trace
+from mlx_edge0.bench.synthetic_router import calibrate_routers, moe_blocks, teacher_forced_trace
 from mlx_edge0.checkpoint import text_config
-from mlx_edge0.tensorfile import read_header
+from mlx_edge0.tensorfile import array_bytes, read_header
 from test_bench import SMALL
 
 E, K, TOKENS = 64, 4, 64
@@ -106,6 +106,21 @@ def test_calibrated_routing_reaches_the_published_coverage(ckpts, geometry):
     assert summary.mean("coverage90") < uniform.mean("coverage90") - 0.15
     assert summary.mean("reuse") > uniform.mean("reuse") + 0.05
     assert np.isfinite(summary.mean("distinct"))
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_calibration_with_layers_released_sets_the_routers_every_layer_resident_sets(ckpts, geometry):
+    """synth releases each layer once the calibration forward is past it (a
+    full-depth 35B does not fit at once); the random checkpoint calibrated with
+    every layer resident gets the same router bytes."""
+    model, config = load_model(ckpts[geometry, "random"], strict=True)
+    model.set_dtype(mx.float32)
+    released: list[int] = []
+    vocab = text_config(config)["vocab_size"]
+    _, stored = calibrate_routers(model, "uniform", vocab_size=vocab, show_progress=False, release=released.append)
+    assert released == list(range(moe_blocks(model)[-1][0]))
+    written = tensors(ckpts[geometry, "uniform"])
+    assert stored and all(array_bytes(v).tobytes() == written[n] for n, v in stored.items())
 
 
 def test_unknown_routing_is_refused():

@@ -370,13 +370,28 @@ def synth_checkpoint(
 
 def _set_routers(root: Path, model: nn.Module, options: SynthOptions, weight_map: dict, show_progress: bool):
     """Load the written weights into ``model`` (float32, as the bench runs),
-    calibrate its routers and overwrite them in the shards."""
+    calibrate its routers and overwrite them in the shards.
+
+    Loads are lazy, and each decoder layer's weights are loaded lazily again
+    once the calibration forward is past it, so about one layer is resident."""
     files = sorted(set(weight_map.values()))
     model.load_weights([item for f in files for item in mx.load(str(root / f)).items()])
     model.set_dtype(mx.float32)
+    layer_files = {}
+    for name, file in weight_map.items():
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        if m:
+            layer_files[int(m.group(1))] = file
+
+    def release(layer: int) -> None:
+        loaded = mx.load(str(root / layer_files[layer])).items()
+        model.load_weights(
+            [(n, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v) for n, v in loaded], strict=False
+        )
+
     vocab = text_config(source_config(options))["vocab_size"]
     calibration, tensors = calibrate_routers(
-        model, options.routing, vocab_size=vocab, seed=options.seed, show_progress=show_progress
+        model, options.routing, vocab_size=vocab, seed=options.seed, show_progress=show_progress, release=release
     )
     patch_tensors(root, tensors, weight_map)
     return calibration

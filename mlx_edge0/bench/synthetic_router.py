@@ -301,9 +301,15 @@ def calibrate_routers(
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
     show_progress: bool = True,
+    release: Optional[Callable[[int], None]] = None,
 ) -> tuple[RouterCalibration, dict[str, mx.array]]:
     """Set every MoE router of ``model`` (a stock mlx-lm model whose floats are
     ``dtype``, as the bench runs it) for ``routing`` (``uniform`` or ``calibrated``).
+
+    ``release(i)`` is called for each decoder layer ``i`` once the forward is
+    past it (its output evaluated). A caller whose weights load lazily can put
+    that layer's lazy loads back, so one layer at a time is resident: a
+    full-depth 35B does not fit in memory at once.
 
     Returns:
         The solved knobs and held-out measurements, and the new router tensors
@@ -320,9 +326,14 @@ def calibrate_routers(
     stored: dict[str, mx.array] = {}
     blocks = moe_blocks(model)
     with bar(len(blocks), f"[synth] {routing} routers", unit="layer", show=show_progress) as progress:
+        done = [0]  # decoder layers before this one are evaluated once x is
 
         def hook(layer: int, block: nn.Module, x: mx.array) -> None:
-            result, tensors = _solve_layer(block, np.array(x.astype(mx.float32)), layer, routing, rng, dtype)
+            inputs = np.array(x.astype(mx.float32))
+            for i in range(done[0], layer) if release else ():
+                release(i)
+            done[0] = layer
+            result, tensors = _solve_layer(block, inputs, layer, routing, rng, dtype)
             results.append(result)
             prefix = names[id(block.gate)]
             stored.update({f"{prefix}.{k}": v for k, v in tensors.items()})
