@@ -2,19 +2,22 @@
 
 At step t, each owner layer N runs its head on its own input (the
 post-attention-norm output) and its top-k one-hots at t and t-1, producing
-router logits for the consumer layer N+1 at step t+1. When step t+1 opens
-(its first MoE layer), all predictions are turned into routing at once — the
-consumer's *own* routing math on the predicted logits, one host sync per step
-— and every consumer's staging buffer starts filling with exactly that set
-(the union over the batch). The consumer layer later waits only for its own
+router logits for the consumer layer N+1 at step t+1, and routes them right
+there with the consumer's *own* routing math (queued with that layer's
+compute). When step t+1 opens (its first MoE layer), the host takes the
+consumers in layer order, waits for each one's routed prediction (step t has
+computed that far) and starts its staging buffer filling with exactly that
+set (the union over the batch): the first consumers' reads start while step
+t still computes its last layers and its LM head, so a read-bound disk does
+not idle between steps. The consumer layer later waits only for its own
 reads and computes with those indices and weights: the staged set is the
 routed set, so nothing is dropped and nothing falls back (telemetry counts
 ``prerouted`` layer calls). Fills copy what the hot cache holds and read the
 rest; once those reads land the cache keeps copies (``HotCache.admit``), so
 the prerouted layers' experts are cached like every other layer's.
 
-Per-sequence state (each owner's last one-hot, its prediction, and whether
-that prediction is valid) lives in one extra ``ArraysCache`` appended to the
+Per-sequence state (each owner's last one-hot, its prediction, whether that
+prediction is valid, and the prediction routed) lives in one extra ``ArraysCache`` appended to the
 model's ``make_cache()`` list, so mlx-lm's batching (merge, filter, extend,
 extract) and prompt-cache reuse (``save_prompt_cache``/``load_prompt_cache``,
 the server's prompt cache) carry it with the sequence. A sequence with no
@@ -31,8 +34,8 @@ sequence all compute the same numbers (the heads' rows do not depend on how
 many rows are multiplied at once). Only decode stages: a prompt chunk routes
 with the same predictions but reads its experts like any prefill.
 
-With a window (``Options.staged_window`` = N staging buffers) the routing is
-still decided when the step opens, but only the first N prerouted layers'
+With a window (``Options.staged_window`` = N staging buffers) the plans are
+still made when the step opens, but only the first N prerouted layers'
 fills start then; the others take the window's buffers in turn, each fill
 starting when the host reaches the prerouted layer ``HOST_AHEAD`` places
 before the buffer's next user, once that buffer's last reader has been
@@ -66,7 +69,10 @@ from .telemetry import Telemetry
 
 Route = Callable[[mx.array], tuple[mx.array, mx.array]]  # logits [B, L, E] -> inds, scores [B, L, K]
 
-SLOTS_PER_OWNER = 3  # one-hot at the last token, predicted logits, valid
+# one-hot at the last token, predicted logits, valid, and the prediction routed
+# (indices, scores): routed in the owner's layer, so the next step can start
+# each consumer's fill as soon as the step before has computed that far
+SLOTS_PER_OWNER = 5
 # Prerouted layers the host may build ahead of compute in a window:
 # refilling a buffer waits for its last reader, so the buffer refilled at a
 # layer is the one read this many prerouted layers before.
@@ -176,6 +182,9 @@ class Prerouting:
         # consumer -> (use [B, L], predicted logits [B, L, E]): positions routed with
         # a prediction where the plan does not cover the whole forward
         self.partial: dict[int, tuple[mx.array, mx.array]] = {}
+        # routed predictions and staging-buffer readers not yet queued: the next prerouted
+        # layer's async_eval takes them
+        self.unqueued: list[mx.array] = []
 
     def add_window_buffer(self, buffer: StagingBuffer) -> None:
         """Give the window a buffer more, from the next step on. Between
@@ -204,6 +213,7 @@ class Prerouting:
         self.order.clear()
         self.window_user.clear()
         self.partial.clear()
+        self.unqueued.clear()
 
     @staticmethod
     def _drop(plan: Plan) -> None:
@@ -212,44 +222,42 @@ class Prerouting:
             plan.buffer.invalidate()
 
     def begin_forward(self, length: int, x: Optional[mx.array] = None) -> None:
-        """Turn the last step's predictions into routing and start the fills.
+        """Turn the last step's predictions into plans and start the fills.
 
-        One host sync brings every consumer's routed indices over at once;
-        then ``x`` (the first MoE layer's input) is queued with ``async_eval``,
-        so the compute thread runs the first layer while this thread plans
-        and submits the fills.
+        Consumer by consumer in layer order, the host waits for that
+        consumer's routed prediction (queued with its owner's layer in the
+        step before, see :meth:`experts`) and starts its fill, so the first
+        consumers' reads begin while the step before still computes its last
+        layers and its LM head: a read-bound disk does not idle between
+        steps. Then ``x`` (the first MoE layer's input) is queued: it depends
+        on the step before's token, and queuing it first would wait behind
+        that LM head where MLX bounds the work in flight (its CPU backend).
         """
         state = self.state
         if state is None or length != 1:
             return
-        consumers, valids, logits, routed = [], [], [], []
-        for owner, consumer in self.consumer_of.items():
+        self.unqueued.clear()
+        for owner, consumer in sorted(self.consumer_of.items(), key=lambda oc: oc[1]):
             s = self._slot(owner)
-            if state[s + 2] is not None:
-                consumers.append(consumer)
-                logits.append(state[s + 1])
-                valids.append(state[s + 2])
-                routed.append(self.routes[consumer](state[s + 1][:, None, :]))
-        if not consumers:
-            return
-        inds_all = mx.stack([inds for inds, _ in routed])  # [C, B, 1, K]
-        valid_all = mx.stack(valids)  # [C, B]
-        mx.eval(inds_all, valid_all)  # the one sync per step
-        if x is not None:
-            mx.async_eval(x)
-        inds_host, valid_host = np.array(inds_all), np.array(valid_all)
-        for j, consumer in enumerate(consumers):
-            if not valid_host[j].any():
+            valid, inds, scores = state[s + 2], state[s + 3], state[s + 4]
+            if valid is None:
                 continue
-            if not valid_host[j].all():  # mixed batch: gate for the rest, on demand
-                self.partial[consumer] = (valids[j][:, None], logits[j][:, None, :])
+            mx.eval(inds, valid)  # waits for the step before up to this owner's layer
+            valid_host = np.array(valid)
+            if not valid_host.any():
                 continue
-            self.planned[consumer] = Plan(*routed[j], self.local(np.unique(inds_host[j])))
+            if not valid_host.all():  # mixed batch: gate for the rest, on demand
+                self.partial[consumer] = (valid[:, None], state[s + 1][:, None, :])
+                continue
+            self.planned[consumer] = Plan(inds, scores, self.local(np.unique(np.array(inds))))
             if self.telemetry.routing_trace is not None:
                 self.telemetry.routing_trace.append((consumer, self.planned[consumer].ids.tolist()))
-        self.order = sorted(self.planned)
-        for rank in fills_at_open(len(self.order), len(self.window)):
-            self._start(rank)
+            rank = len(self.order)
+            self.order.append(consumer)
+            if rank in fills_at_open(rank + 1, len(self.window)):
+                self._start(rank)
+        if x is not None:
+            mx.async_eval(x)
 
     def _start(self, rank: Optional[int]) -> Optional[Plan]:
         """Start the fill of the ``rank``-th planned consumer (no-op when
@@ -302,7 +310,10 @@ class Prerouting:
         process's share of them) from its staging buffer, waiting only for
         its reads."""
         buffer = plan.buffer
-        mx.async_eval(x)  # the compute thread runs everything up to here while the reads land
+        # the compute thread runs everything up to here while the reads land; the routed
+        # predictions made since are queued with it, so the next step can wait for each alone
+        mx.async_eval(x, *self.unqueued)
+        self.unqueued.clear()
         self._start(refill_at(self.order.index(layer), len(self.window)))
         try:
             waited = plan.fill.reads.wait()
@@ -314,7 +325,11 @@ class Prerouting:
         stats = self.telemetry.current
         stats.prerouted += 1
         stats.prerouted_wait_s += waited
-        return buffer.rows.compute(x, mx.take(plan.fill.slot_table, inds), self.compute_dtype)
+        y = buffer.rows.compute(x, mx.take(plan.fill.slot_table, inds), self.compute_dtype)
+        # the buffer's reader, queued with the next prerouted layer: the next step's fill
+        # into this buffer waits for it alone, not for the whole step
+        self.unqueued.append(y)
+        return y
 
     def observe(self, layer: int, x: mx.array, inds: mx.array) -> None:
         """Owner layers: run the head on every position; keep the prediction
@@ -350,7 +365,9 @@ class Prerouting:
             valid = mx.where(update, valid, old_valid)
         elif update is not None:
             valid = update
-        state[s], state[s + 1], state[s + 2] = now, logits, valid
+        inds, scores = self.routes[self.consumer_of[layer]](logits[:, None, :])
+        state[s], state[s + 1], state[s + 2], state[s + 3], state[s + 4] = now, logits, valid, inds, scores
+        self.unqueued.extend((inds, scores, valid))
 
     def _hand_on(
         self, consumer: int, predicted: mx.array, carried: Optional[mx.array], carried_valid: Optional[mx.array]

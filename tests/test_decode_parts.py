@@ -21,6 +21,7 @@ from mlx_edge0.prerouting import (
     HOST_AHEAD,
     WINDOW_WAIT_SHARE,
     Prerouting,
+    SLOTS_PER_OWNER,
     fills_at_open,
     grown_window,
     refill_at,
@@ -181,12 +182,18 @@ def _prerouting(store, window=0, hot=None):
 def _decode_state(pre, heads, valid):
     """A state as a prompt leaves it: every owner's prediction, ``valid`` per row."""
     E = next(iter(heads.values())).logits.shape[0]
-    state = ArraysCache(3 * len(pre.owners))
+    state = pre.make_cache()
     for i, owner in enumerate(pre.owners):
-        B = len(valid)
-        state[3 * i] = mx.zeros((B, E))
-        state[3 * i + 1] = mx.broadcast_to(heads[owner].logits, (B, E))
-        state[3 * i + 2] = mx.array(valid)
+        B, s = len(valid), SLOTS_PER_OWNER * i
+        logits = mx.broadcast_to(heads[owner].logits, (B, E))
+        inds, scores = pre.routes[pre.consumer_of[owner]](logits[:, None, :])
+        state[s], state[s + 1], state[s + 2], state[s + 3], state[s + 4] = (
+            mx.zeros((B, E)),
+            logits,
+            mx.array(valid),
+            inds,
+            scores,
+        )
     return state
 
 
@@ -210,6 +217,35 @@ def test_prerouted_step_computes_the_predicted_routing_from_its_fills(window):
     assert store.telemetry.current.prerouted == 5 and not pre.planned
     if window:
         assert [b.layer for b in pre.window] == [4, 5, 3]
+
+
+def test_an_owner_routes_its_prediction_in_its_own_layer_and_the_next_step_plans_from_it():
+    """The next step opens without routing anything: it waits for each routed
+    prediction, queued with the step before's layers, and starts that fill
+    (routing at the open would queue behind the step before's LM head)."""
+    store = FakeStore(LAYERS)
+    pre, heads = _prerouting(store)
+    state = _decode_state(pre, heads, [True])
+    pre.bind(state)
+    x = _x(store, 1, 1)
+    pre.begin_forward(1, x)
+    pre.take(LAYERS[0])
+    for consumer in LAYERS[1:]:
+        plan = pre.take(consumer)
+        y = pre.experts(consumer, x, plan.inds, plan)
+        # the owner's routed prediction and the last buffer's reader went with this layer's
+        # queue; this buffer's reader goes with the next
+        assert len(pre.unqueued) == 1 and pre.unqueued[0] is y
+        pre.observe(consumer, x, plan.inds)
+        if consumer != LAYERS[-1]:
+            assert len(pre.unqueued) == 4  # + the routed prediction: indices, scores, valid
+    owner, consumer = LAYERS[1], LAYERS[2]
+    s = SLOTS_PER_OWNER * pre.owners.index(owner)
+    assert mx.array_equal(state[s + 3], route(state[s + 1][:, None, :])[0]).item()
+    state[s + 3] = mx.array([[[6, 7]]], mx.uint32)  # what the owner's layer routed is what the next step plans
+    pre.bind(state)
+    pre.begin_forward(1, x)
+    assert pre.planned[consumer].ids.tolist() == [6, 7]
 
 
 @pytest.mark.parametrize("window", [0, 3])
