@@ -10,12 +10,13 @@ Policy: :class:`FrequencyPolicy` (LFU with periodic halving, ties broken by
 recency) is the default because it measured a higher hit rate than LRU on the
 routing traces in BENCHMARKS.md: MoE routing has persistently popular experts
 per layer, and pure recency evicts them during a burst of rare ones. LRU stays
-available (``hot_policy="lru"``) for comparison.
+available (``hot_policy="lru"``) for comparison. Permanent bundles (:meth:`HotCache.add_permanent`:
+with the prerouter, the layers no owner predicts) are never a victim.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import AbstractSet, Hashable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -70,15 +71,21 @@ POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
 
 
 def plan_fill(
-    wanted: Sequence[Key], resident: dict[Key, int], free: list[int], policy: LRUPolicy
+    wanted: Sequence[Key],
+    resident: dict[Key, int],
+    free: list[int],
+    policy: LRUPolicy,
+    permanent: AbstractSet[Key] = frozenset(),
 ) -> tuple[dict[Key, int], list[Key]]:
     """Rows for the misses of ``wanted``: free rows first, then policy victims
-    among resident keys that are not wanted now. Returns (miss -> row, evicted)."""
+    among resident keys that are neither wanted now nor ``permanent``. Returns
+    (miss -> row, evicted)."""
     wanted_set = set(wanted)
     misses = [k for k in wanted if k not in resident]
     rows = free[: len(misses)]
     need = len(misses) - len(rows)
-    evicted = policy.victims([k for k in resident if k not in wanted_set], need) if need else []
+    candidates = [k for k in resident if k not in wanted_set and k not in permanent]
+    evicted = policy.victims(candidates, need) if need else []
     if len(evicted) < need:
         raise ValueError("hot cache too small for the routed set")
     rows = rows + [resident[k] for k in evicted]
@@ -102,6 +109,7 @@ class HotCache:
         self.row_of: dict[Key, int] = {}
         self.free = list(range(capacity))
         self.policy = POLICIES[policy](capacity)
+        self.permanent: set[Key] = set()
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +118,7 @@ class HotCache:
     def _make_room(self, keys: list[Key]) -> dict[Key, int]:
         """Rows for the keys of ``keys`` that are not resident (free rows, then
         victims); the victims are forgotten at once."""
-        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy)
+        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, self.permanent)
         for k in evicted:
             del self.row_of[k]
             self.policy.forget(k)
@@ -131,6 +139,26 @@ class HotCache:
                 self.buffers.copy_row(source, slot_of[e], row)
             self.row_of.update(placed)
         self.policy.touch([(layer, int(e)) for e in used])
+
+    def add_permanent(self, layer: int, experts: Sequence[int]) -> None:
+        """Read ``experts`` of ``layer`` into rows now and never evict them: for
+        a layer whose routing nobody predicts, so its decode reads would be
+        waited on. Call at load, before any step (the reads count in no step).
+
+        Raises:
+            ValueError: the cache could not hold them and still route a layer.
+        """
+        keys = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.row_of]
+        if len(self.permanent) + len(keys) > self.capacity // 2:
+            raise ValueError(f"keeping {len(keys)} experts of layer {layer} leaves too few of {self.capacity} rows")
+        placed = self._make_room(keys)
+        try:
+            self.store.submit(layer, [e for _, e in keys], [placed[k] for k in keys], self.buffers, urgent=True).wait()
+        except BaseException:
+            self.free.extend(placed.values())  # rows hold garbage now: free, not resident
+            raise
+        self.row_of.update(placed)
+        self.permanent.update(keys)
 
     def row(self, layer: int, expert: int) -> Optional[int]:
         return self.row_of.get((layer, expert))

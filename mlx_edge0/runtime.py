@@ -143,6 +143,16 @@ class StreamingRuntime:
             self.experts_per_layer * len(layers),
         )
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
+        # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
+        # and the compute waits for its misses: its experts are read into the hot cache once,
+        # here, and stay, where they take at most half of it.
+        predicted = set(consumer_of.values())
+        self.permanent_layers = [layer for layer in layers if layer not in predicted] if consumer_of else []
+        experts = range(g.num_experts) if owned is None else [int(e) for e in owned]
+        if self.hot is None or len(self.permanent_layers) * len(experts) > capacity // 2:
+            self.permanent_layers = []
+        for layer in self.permanent_layers:
+            self.hot.add_permanent(layer, experts)
         dtype, tel = self.compute_dtype, self.telemetry
         self.exact = ExactPath(self.store, tel, dtype, pool_dtype, max(self.k_of.values()))
         self.decode_fallback = HotPath(self.hot, self.exact, tel, dtype) if self.hot else self.exact

@@ -90,6 +90,28 @@ def test_hot_path_hits_what_it_read_and_falls_back_to_exact_beyond_the_cache():
     assert store.submitted[-1] == (1, [0, 1, 2, 3], True)  # read by the exact path
 
 
+def test_permanent_experts_are_read_once_and_never_evicted():
+    """What :meth:`HotCache.add_permanent` holds (a layer no owner predicts)
+    is read at once, then hit every time, while other layers' misses evict
+    only each other."""
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=6)
+    hot.hot.add_permanent(0, [1, 3, 5])
+    assert store.submitted == [(0, [1, 3, 5], True)]
+    for seed, layer in enumerate([1, 2, 3, 1, 4]):  # more experts than the 3 other rows
+        inds = mx.array([[[seed % 4, 4 + seed % 4]]], mx.uint32)
+        hot.experts(layer, _x(store, 1, 1, seed), inds)
+    assert {(0, 1), (0, 3), (0, 5)} <= set(hot.hot.row_of)
+    store.telemetry.begin_step(1)
+    x, inds = _x(store, 1, 1), mx.array([[[5, 1]]], mx.uint32)
+    got = hot.experts(0, x, inds)
+    assert mx.array_equal(got, expert_glu(x, inds, store.weights(0))).item()
+    s = store.telemetry.current
+    assert (s.hot_hits, s.hot_misses) == (2, 0)
+    with pytest.raises(ValueError, match="too few"):  # at most half the rows
+        hot.hot.add_permanent(2, [0])
+
+
 def test_staged_path_keeps_slots_and_counts_fallbacks():
     store = FakeStore(LAYERS)
     _, _, staged, _ = _paths(store, hot_rows=0 + 6)

@@ -18,6 +18,7 @@ from mlx_edge0.prerouter_heads import PREROUTER_FILE, PrerouterHead, PrerouterSp
 from mlx_edge0.streaming import StreamingMoE
 from mlx_edge0.tensorfile import read_header
 
+from mlx_edge0.slots import SlotBuffers
 from mlx_edge0.telemetry import Stats
 
 from conftest import FAMILIES, load_stock
@@ -187,6 +188,30 @@ def test_prerouted_decode_stages_exactly_the_routed_set(with_heads, family):
         assert s["steps"] >= 196 and s["prerouted"] == consumers * (s["steps"] - 1)
         assert s["staged_kept"] + s["slot_rewrites"] > 0 and s["expert_loads"] > 0
     assert runs[0] == runs[1]  # deterministic
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layer_no_owner_predicts_stays_in_the_hot_cache(with_heads, family):
+    """With the prerouter on, the first MoE layer routes with its gate and
+    would wait for its reads: all its experts are read at load and never
+    evicted, while the other layers' misses evict each other. Same numbers."""
+    path = with_heads(family)
+    ids = _prompt_ids(path)
+    want = greedy(mlx_edge0.load_model(path, cache_gib=0), ids, 40)
+    probe = mlx_edge0.load_model(path, cache_gib=0).edge0_runtime
+    assert probe.hot is None and probe.permanent_layers == []
+    n, row = probe.experts_per_layer, SlotBuffers.row_nbytes(probe.store.geometry, probe.pool_dtype)
+    model = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30)  # 2.5 layers' experts
+    rt = model.edge0_runtime
+    first = min(rt.prerouting.consumer_of)
+    assert rt.permanent_layers == [first] and first not in rt.prerouting.consumer_of.values()
+    layer_of = lambda: [layer for layer, _ in rt.hot.row_of]  # noqa: E731
+    assert layer_of() == [first] * n
+    assert greedy(model, ids, 40) == want
+    assert layer_of().count(first) == n and len(set(layer_of())) > 1  # the other layers share the rest
+    assert {e for layer, e in rt.hot.row_of if layer == first} == set(range(n))
+    off = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30, prerouter=False).edge0_runtime
+    assert off.permanent_layers == [] and off.hot.row_of == {}  # every layer routes with its gate
 
 
 @pytest.mark.parametrize("family", FAMILIES)
