@@ -68,6 +68,7 @@ class FrequencyPolicy(LRUPolicy):
 
 
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
+PERMANENT_SHARE = 8  # permanent bundles take at most 1/8 of the rows (permanent_fits)
 
 
 def plan_fill(
@@ -90,6 +91,15 @@ def plan_fill(
         raise ValueError("hot cache too small for the routed set")
     rows = rows + [resident[k] for k in evicted]
     return dict(zip(misses, rows)), evicted
+
+
+def permanent_fits(rows: int, capacity: int, total_experts: int) -> bool:
+    """Whether ``rows`` permanent bundles leave a cache of ``capacity`` rows its
+    use: they take at most ``1 / PERMANENT_SHARE`` of it, or the cache holds
+    every expert, so they displace nothing. A larger share displaces the
+    other layers' bundles, which are then read again where reads bind
+    (BENCHMARKS.md, "ling-3.0-tiny with its first MoE layer permanent")."""
+    return rows <= capacity // PERMANENT_SHARE or capacity >= total_experts
 
 
 def hot_capacity(budget_bytes: int, row_bytes: int, total_experts: int) -> int:
@@ -146,7 +156,8 @@ class HotCache:
         waited on. Call at load, before any step (the reads count in no step).
 
         Raises:
-            ValueError: the cache could not hold them and still route a layer.
+            ValueError: they would take more than half the rows (too few left
+                to route the other layers through).
         """
         keys = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.row_of]
         if len(self.permanent) + len(keys) > self.capacity // 2:

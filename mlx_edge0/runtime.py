@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .checkpoint import RESIDENT_FILE, Edge0Section
-from .hot import HotCache, hot_capacity
+from .hot import HotCache, hot_capacity, permanent_fits
 from .options import MIN_STAGED_WINDOW, Options
 from .parallel import ExpertShard
 from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
@@ -145,11 +145,12 @@ class StreamingRuntime:
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
         # and the compute waits for its misses: its experts are read into the hot cache once,
-        # here, and stay, where they take at most half of it.
+        # here, and stay, where that leaves the cache its use (``permanent_fits``).
         predicted = set(consumer_of.values())
         self.permanent_layers = [layer for layer in layers if layer not in predicted] if consumer_of else []
         experts = range(g.num_experts) if owned is None else [int(e) for e in owned]
-        if self.hot is None or len(self.permanent_layers) * len(experts) > capacity // 2:
+        total = self.experts_per_layer * len(layers)
+        if self.hot is None or not permanent_fits(len(self.permanent_layers) * len(experts), capacity, total):
             self.permanent_layers = []
         for layer in self.permanent_layers:
             self.hot.add_permanent(layer, experts)

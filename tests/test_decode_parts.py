@@ -14,7 +14,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from fakes import FakeStore
 from mlx_edge0.expert_math import expert_glu
-from mlx_edge0.hot import HotCache
+from mlx_edge0.hot import HotCache, permanent_fits
 from mlx_edge0.paths import ExactPath, HotPath, StagedPath, WholeLayerPath
 from mlx_edge0.prefill import WholeLayerLoader
 from mlx_edge0.prerouting import (
@@ -110,6 +110,12 @@ def test_permanent_experts_are_read_once_and_never_evicted():
     assert (s.hot_hits, s.hot_misses) == (2, 0)
     with pytest.raises(ValueError, match="too few"):  # at most half the rows
         hot.hot.add_permanent(2, [0])
+
+
+def test_permanent_bundles_fit_in_a_small_share_or_a_cache_of_every_expert():
+    assert permanent_fits(64, 512, 4096) and not permanent_fits(65, 512, 4096)
+    assert permanent_fits(256, 768, 768)  # the cache holds every expert: nothing is displaced
+    assert not permanent_fits(256, 767, 768)
 
 
 def test_staged_path_keeps_slots_and_counts_fallbacks():

@@ -193,24 +193,27 @@ def test_prerouted_decode_stages_exactly_the_routed_set(with_heads, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_layer_no_owner_predicts_stays_in_the_hot_cache(with_heads, family):
     """With the prerouter on, the first MoE layer routes with its gate and
-    would wait for its reads: all its experts are read at load and never
-    evicted, while the other layers' misses evict each other. Same numbers."""
+    would wait for its reads: where the hot cache holds every expert, all its
+    experts are read at load and stay; where they would take too much of a
+    smaller cache, nothing is permanent. The same numbers either way."""
     path = with_heads(family)
     ids = _prompt_ids(path)
     want = greedy(mlx_edge0.load_model(path, cache_gib=0), ids, 40)
     probe = mlx_edge0.load_model(path, cache_gib=0).edge0_runtime
     assert probe.hot is None and probe.permanent_layers == []
     n, row = probe.experts_per_layer, SlotBuffers.row_nbytes(probe.store.geometry, probe.pool_dtype)
-    model = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30)  # 2.5 layers' experts
+    model = mlx_edge0.load_model(path, cache_gib=1.0)  # every expert of the tiny model
     rt = model.edge0_runtime
     first = min(rt.prerouting.consumer_of)
+    assert rt.hot.capacity == n * len(rt.store.layers)  # the cache holds every expert
     assert rt.permanent_layers == [first] and first not in rt.prerouting.consumer_of.values()
-    layer_of = lambda: [layer for layer, _ in rt.hot.row_of]  # noqa: E731
-    assert layer_of() == [first] * n
+    assert sorted(rt.hot.row_of) == [(first, e) for e in range(n)]
     assert greedy(model, ids, 40) == want
-    assert layer_of().count(first) == n and len(set(layer_of())) > 1  # the other layers share the rest
     assert {e for layer, e in rt.hot.row_of if layer == first} == set(range(n))
-    off = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30, prerouter=False).edge0_runtime
+    assert rt.hot.permanent == {(first, e) for e in range(n)}
+    smaller = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30).edge0_runtime  # 40% of it
+    assert smaller.permanent_layers == [] and smaller.hot.row_of == {}
+    off = mlx_edge0.load_model(path, cache_gib=1.0, prerouter=False).edge0_runtime
     assert off.permanent_layers == [] and off.hot.row_of == {}  # every layer routes with its gate
 
 
