@@ -159,16 +159,10 @@ class HotCache:
             ValueError: they would take more than half the rows (too few left
                 to route the other layers through).
         """
-        keys = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.row_of]
-        if len(self.permanent) + len(keys) > self.capacity // 2:
+        keys = {(layer, int(e)) for e in experts}
+        if len(self.permanent | keys) > self.capacity // 2:
             raise ValueError(f"keeping {len(keys)} experts of layer {layer} leaves too few of {self.capacity} rows")
-        placed = self._make_room(keys)
-        try:
-            self.store.submit(layer, [e for _, e in keys], [placed[k] for k in keys], self.buffers, urgent=True).wait()
-        except BaseException:
-            self.free.extend(placed.values())  # rows hold garbage now: free, not resident
-            raise
-        self.row_of.update(placed)
+        self.fetch(layer, experts)
         self.permanent.update(keys)
 
     def row(self, layer: int, expert: int) -> Optional[int]:

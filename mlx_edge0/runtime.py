@@ -136,22 +136,20 @@ class StreamingRuntime:
             + self.staged_nbytes(largest=True)
             + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
         )
-        expert_bytes = g.bundle_bytes * self.experts_per_layer * len(layers)
+        total_experts = self.experts_per_layer * len(layers)
         capacity = hot_capacity(
-            options.cache_bytes(expert_bytes, memory_sharers, committed),
-            row_bytes,
-            self.experts_per_layer * len(layers),
+            options.cache_bytes(g.bundle_bytes * total_experts, memory_sharers, committed), row_bytes, total_experts
         )
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
         # and the compute waits for its misses: its experts are read into the hot cache once,
         # here, and stay, where that leaves the cache its use (``permanent_fits``).
         predicted = set(consumer_of.values())
-        self.permanent_layers = [layer for layer in layers if layer not in predicted] if consumer_of else []
+        unpredicted = [layer for layer in layers if layer not in predicted] if consumer_of else []
+        rows = len(unpredicted) * self.experts_per_layer
+        fits = self.hot is not None and permanent_fits(rows, capacity, total_experts)
+        self.permanent_layers = unpredicted if fits else []
         experts = range(g.num_experts) if owned is None else [int(e) for e in owned]
-        total = self.experts_per_layer * len(layers)
-        if self.hot is None or not permanent_fits(len(self.permanent_layers) * len(experts), capacity, total):
-            self.permanent_layers = []
         for layer in self.permanent_layers:
             self.hot.add_permanent(layer, experts)
         dtype, tel = self.compute_dtype, self.telemetry
