@@ -49,7 +49,11 @@ popularity of its own); its sigmoid + group-limited top-k routing is what is
 measured.
 
 Routing is measured with each family's own router code (the block's gate and
-top-k), on the model in float32 as the bench runs it; the gate is stored as
+top-k), on the model in float32 as the bench runs it. The forward multiplies
+by dequantized weights (:class:`~.dense_forward.DenseLayers`, the gates
+included): the same numbers up to summation order, through BLAS instead of
+MLX's CPU quantized kernels, which on thousands of tokens are the slow part.
+The gate is stored as
 synth stores it (8-bit affine g64 with bf16 scales where mlx-lm's
 ``quant_predicate`` says so, bf16 otherwise), and the model is updated with
 exactly the stored values before the next layer is calibrated.
@@ -69,6 +73,7 @@ import numpy as np
 
 from ..progress import bar
 from ..tensorfile import array_bytes, read_header
+from .dense_forward import DenseLayers
 from .locality import RoutingTrace, coverage_per_layer, distinct_per_layer, reuse_per_layer
 from .synthetic_routing import BISECTION_STEPS, CALIBRATED_COVERAGE90, CALIBRATED_REUSE
 
@@ -307,9 +312,10 @@ def calibrate_routers(
     ``dtype``, as the bench runs it) for ``routing`` (``uniform`` or ``calibrated``).
 
     ``release(i)`` is called for each decoder layer ``i`` once the forward is
-    past it (its output evaluated). A caller whose weights load lazily can put
-    that layer's lazy loads back, so one layer at a time is resident: a
-    full-depth 35B does not fit in memory at once.
+    past it (its output evaluated and its quantized modules back in place). A
+    caller whose weights load lazily can put that layer's lazy loads back, so
+    one layer at a time is resident: a full-depth 35B does not fit in memory
+    at once.
 
     Returns:
         The solved knobs and held-out measurements, and the new router tensors
@@ -331,17 +337,18 @@ def calibrate_routers(
         def hook(layer: int, block: nn.Module, x: mx.array) -> None:
             inputs = np.array(x.astype(mx.float32))
             for i in range(done[0], layer) if release else ():
+                dense.restore(i)
                 release(i)
             done[0] = layer
             result, tensors = _solve_layer(block, inputs, layer, routing, rng, dtype)
             results.append(result)
-            prefix = names[id(block.gate)]
+            prefix = f"{names[id(block)]}.gate"
             stored.update({f"{prefix}.{k}": v for k, v in tensors.items()})
             progress.update()
             if layer == blocks[-1][0]:
                 raise _Done  # nothing after the last router is needed (the LM head is the costliest part)
 
-        with _tapped(model, hook):
+        with _tapped(model, hook), DenseLayers(model) as dense:
             try:
                 mx.eval(model(ids))
             except _Done:
