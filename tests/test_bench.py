@@ -224,13 +224,20 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     r = run_child(RunSpec("edge0-hot@1", default_checkpoint(), 8, 6, "float32", 0), timeout_s=120)
     assert r["ok"], r.get("stderr_tail")
     replay = r["eviction_replay"]
-    assert replay["capacity"] == 96 and replay["routings_per_token"] == 6 * 4
+    assert replay["capacity"] == 96 and replay["routings_per_token"] == 6 * 4 and replay["permanent"] == 0
     assert replay["hit_rate"]["min"] == replay["hit_rate"]["lfu"] == replay["ceiling"]
     distinct = r["locality"]["mean_distinct"] * 6  # experts first used in the trace
     assert replay["ceiling"] == pytest.approx(1 - distinct / (6 * 24))
     m = run_metrics(r)
     assert m["min_hit_rate"] == replay["hit_rate"]["min"]
     assert m["hit_rate"] == pytest.approx(1 - r["counters_per_token"]["expert_loads"] / 24)
+    # With the prerouter, layer 0 (no owner) is permanent in that cache: replayed resident from
+    # the start, so only the other layers' first routings of an expert miss.
+    p = run_child(RunSpec("edge0-prerouter@1", default_checkpoint(), 8, 6, "float32", 0), timeout_s=120)
+    assert p["ok"], p.get("stderr_tail")
+    replay = p["eviction_replay"]
+    assert replay["permanent"] == 16 and replay["hit_rate"]["min"] == replay["ceiling"]
+    assert replay["ceiling"] == pytest.approx(1 - sum(p["locality"]["distinct"][1:]) / (6 * 24))
 
 
 def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):

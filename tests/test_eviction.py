@@ -92,6 +92,22 @@ def test_capacity_below_a_routed_set_is_refused():
         simulate(t, 2, "fifo")
 
 
+def test_permanent_keys_hit_from_the_start_and_leave_the_rest_to_the_other_layers():
+    """Two layers, E=2, K=1, both routing 0 1 0 1, 3 rows, layer 0 permanent
+    (as the runtime holds the first MoE layer with the prerouter on): its 4
+    calls hit, and layer 1 cycles two experts through the one row left, 4
+    misses, under every policy. Without it MIN gets 3 hits (c3 evicts (0,1),
+    c4 and c5 hit, c6 misses, c7 hits)."""
+    t = RoutingTrace((0, 1), 2, 1, tuple(((e,), (e,)) for e in (0, 1, 0, 1)))
+    layer0 = frozenset({(0, 0), (0, 1)})
+    assert {p: simulate(t, 3, p, permanent=layer0).hits for p in POLICY_NAMES} == dict.fromkeys(POLICY_NAMES, 4)
+    assert simulate(t, 3, "min").hits == 3
+    assert ceiling(t) == 0.5 and ceiling(t, layer0) == 0.75
+    with pytest.raises(ValueError, match="capacity 2 less 2 permanent is smaller than a routed set of 1"):
+        simulate(t, 2, "lru", permanent=layer0)
+    assert [r.capacity for r in compare(t, [2, 3], ["lru"], permanent=layer0)] == [3]
+
+
 def optimum(trace: RoutingTrace, capacity: int) -> int:
     """Most hits any eviction choice gets (exhaustive over minimal evictions)."""
     calls = [frozenset(keys) for keys in call_keys(trace)]

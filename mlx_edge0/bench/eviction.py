@@ -20,8 +20,10 @@ the call does not route to). Only the choice of victims differs:
   prerouter) unless a predicted trace of the same shape is given.
 
 Misses are reads: each costs one bundle from the device, so bytes read per
-token are ``misses * bundle_bytes / tokens``. The cache starts empty, so the
-first use of each expert is a miss under every policy; :func:`ceiling` is the
+token are ``misses * bundle_bytes / tokens``. The cache starts empty but for
+``permanent`` keys (the runtime's layers no owner predicts: read at load,
+never a victim, their rows out of every other layer's reach), so the first
+use of each other expert is a miss under every policy; :func:`ceiling` is the
 hit rate of an unbounded cache.
 """
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import AbstractSet, Hashable, Iterable, Optional, Sequence
 
 from ..hot import POLICIES, LRUPolicy, plan_fill
 from .locality import RoutingTrace
@@ -155,6 +157,7 @@ def simulate(
     bundle_bytes: int = 0,
     predicted: Optional[RoutingTrace] = None,
     lookahead: Optional[int] = None,
+    permanent: AbstractSet[Key] = frozenset(),
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -167,16 +170,19 @@ def simulate(
             tokens and layers as ``trace``); default: ``trace`` itself.
         lookahead: MoE calls a ``*+next`` policy protects; default: one token
             (the number of MoE layers).
+        permanent: keys resident from the start and never evicted.
 
     Raises:
-        ValueError: the capacity is smaller than a routed set (the runtime
-            bypasses the cache then; a replay cannot), or ``predicted`` does
-            not match ``trace``'s shape.
+        ValueError: the capacity left by ``permanent`` is smaller than a
+            routed set (the runtime bypasses the cache then; a replay
+            cannot), or ``predicted`` does not match ``trace``'s shape.
     """
     calls = call_keys(trace)
     largest = max((len(keys) for keys in calls), default=0)
-    if capacity < largest:
-        raise ValueError(f"capacity {capacity} is smaller than a routed set of {largest} experts")
+    if capacity - len(permanent) < largest:
+        raise ValueError(
+            f"capacity {capacity} less {len(permanent)} permanent is smaller than a routed set of {largest} experts"
+        )
     if predicted is not None and (predicted.layers, len(predicted.tokens)) != (trace.layers, len(trace.tokens)):
         raise ValueError("the predicted trace must have the replayed trace's layers and token count")
     victims = make_policy(
@@ -186,11 +192,11 @@ def simulate(
         None if predicted is None else call_keys(predicted),
         len(trace.layers) if lookahead is None else lookahead,
     )
-    resident: dict[Key, int] = {}
-    free = list(range(capacity))
+    resident: dict[Key, int] = {k: row for row, k in enumerate(sorted(permanent))}
+    free = list(range(len(resident), capacity))
     hits = accesses = 0
     for keys in calls:  # as HotCache.fetch, without the reads
-        placed, evicted = plan_fill(keys, resident, free, victims)
+        placed, evicted = plan_fill(keys, resident, free, victims, permanent)
         for k in evicted:
             del resident[k]
             victims.forget(k)
@@ -202,9 +208,10 @@ def simulate(
     return CacheResult(policy, capacity, len(trace.tokens), accesses, hits, bundle_bytes)
 
 
-def ceiling(trace: RoutingTrace) -> float:
-    """Hit rate of an unbounded cache: every routing but each expert's first."""
-    first = len({k for keys in call_keys(trace) for k in keys})
+def ceiling(trace: RoutingTrace, permanent: AbstractSet[Key] = frozenset()) -> float:
+    """Hit rate of an unbounded cache: every routing but each expert's first
+    (``permanent`` experts are resident before theirs)."""
+    first = len({k for keys in call_keys(trace) for k in keys} - set(permanent))
     return 1 - first / trace.routings if trace.routings else float("nan")
 
 
@@ -215,12 +222,14 @@ def compare(
     *,
     bundle_bytes: int = 0,
     predicted: Optional[RoutingTrace] = None,
+    permanent: AbstractSet[Key] = frozenset(),
 ) -> list[CacheResult]:
-    """Every policy at every capacity (capacities below a routed set skipped)."""
+    """Every policy at every capacity (capacities whose rows left by
+    ``permanent`` are fewer than a routed set skipped)."""
     largest = max((len(ids) for tok in trace.tokens for ids in tok), default=0)
     return [
-        simulate(trace, c, p, bundle_bytes=bundle_bytes, predicted=predicted)
+        simulate(trace, c, p, bundle_bytes=bundle_bytes, predicted=predicted, permanent=permanent)
         for c in capacities
-        if c >= largest
+        if c - len(permanent) >= largest
         for p in policies
     ]

@@ -169,16 +169,21 @@ def _decode_trace(layers: list[int], steps: list[list[tuple[int, list[int]]]], n
     return RoutingTrace(tuple(layers), num_experts, k, tuple(tokens))
 
 
-def _eviction_replay(trace, capacity: int) -> dict:
+def _eviction_replay(trace, capacity: int, permanent: frozenset) -> dict:
     """The decode trace replayed through a cache of the run's hot capacity
-    (rows), from empty, under the runtime's policies and Belady's MIN: how far
-    the policy is from the optimum on exactly this routing and budget."""
+    (rows), empty but for its permanent bundles, under the runtime's policies
+    and Belady's MIN: how far the policy is from the optimum on exactly this
+    routing and budget."""
     from .eviction import ceiling, compare
 
-    results = compare(trace, [capacity], ("lfu", "lru", "min"))
-    out = {"capacity": capacity, "routings_per_token": trace.routings / max(1, len(trace.tokens))}
+    results = compare(trace, [capacity], ("lfu", "lru", "min"), permanent=permanent)
+    out = {
+        "capacity": capacity,
+        "permanent": len(permanent),
+        "routings_per_token": trace.routings / max(1, len(trace.tokens)),
+    }
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
-        out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace))
+        out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace, permanent))
     return out
 
 
@@ -331,7 +336,7 @@ def measure(spec: RunSpec) -> dict:
         record["locality"] = LocalitySummary.of(trace).as_dict()
         hot = model.edge0_runtime.hot
         if hot is not None:
-            record["eviction_replay"] = _eviction_replay(trace, hot.capacity)
+            record["eviction_replay"] = _eviction_replay(trace, hot.capacity, frozenset(hot.permanent))
 
     decode_s = sum(steps)
     record.update(
