@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from mlx_edge0.bench.locality import LocalitySummary
@@ -113,12 +114,24 @@ def test_calibration_with_layers_released_sets_the_routers_every_layer_resident_
     """synth releases each layer once the calibration forward is past it (a
     full-depth 35B does not fit at once); the random checkpoint calibrated with
     every layer resident gets the same router bytes."""
-    model, config = load_model(ckpts[geometry, "random"], strict=True)
+    path = ckpts[geometry, "random"]
+    model, config = load_model(path, strict=True)
     model.set_dtype(mx.float32)
-    released: list[int] = []
+    reloaded: dict[int, dict[str, mx.array]] = {}
+
+    def release(layer: int) -> None:  # as synth's: the layer's tensors, by the checkpoint's names
+        loaded = [(n, v) for f in sorted(path.glob("*.safetensors")) for n, v in mx.load(str(f)).items()]
+        fresh = {n: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for n, v in loaded}
+        reloaded[layer] = {n: v for n, v in fresh.items() if f".layers.{layer}." in n}
+        model.load_weights(list(reloaded[layer].items()), strict=False)
+
     vocab = text_config(config)["vocab_size"]
-    _, stored = calibrate_routers(model, "uniform", vocab_size=vocab, show_progress=False, release=released.append)
-    assert released == list(range(moe_blocks(model)[-1][0]))
+    _, stored = calibrate_routers(model, "uniform", vocab_size=vocab, show_progress=False, release=release)
+    assert list(reloaded) == list(range(moe_blocks(model)[-1][0]))
+    # Every reloaded tensor landed (none nested out of reach): a released layer holds no array
+    # the calibration forward evaluated.
+    held = dict(tree_flatten(model.parameters()))
+    assert all(held[n] is v for fresh in reloaded.values() for n, v in fresh.items())
     written = tensors(ckpts[geometry, "uniform"])
     assert stored and all(array_bytes(v).tobytes() == written[n] for n, v in stored.items())
 

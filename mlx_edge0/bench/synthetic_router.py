@@ -167,21 +167,32 @@ class _Tap(nn.Module):
         return self.block(x)
 
 
-def _tapped(model: nn.Module, hook: Callable[[int, nn.Module, mx.array], None]):
-    """Context: every MoE block of ``model`` calls ``hook(layer, block, x)`` first."""
+class _Taps:
+    """Context: every MoE block of ``model`` calls ``hook(layer, block, x)`` first.
 
-    class Taps:
-        def __enter__(self):
-            self.blocks = moe_blocks(model)
-            for i, block in self.blocks:
-                model.layers[i].mlp = _Tap(block, lambda x, i=i, b=block: hook(i, b, x))
-            return self.blocks
+    :meth:`untap` puts one layer's block back early: a tap nests the block's
+    parameters under ``block``, where a reload by the checkpoint's names
+    would silently miss them.
+    """
 
-        def __exit__(self, *exc):
-            for i, block in self.blocks:
-                model.layers[i].mlp = block
+    def __init__(self, model: nn.Module, hook: Callable[[int, nn.Module, mx.array], None]):
+        self.model, self.hook = model, hook
+        self.tapped: dict[int, nn.Module] = {}
 
-    return Taps()
+    def __enter__(self) -> "_Taps":
+        self.tapped = dict(moe_blocks(self.model))
+        for i, block in self.tapped.items():
+            self.model.layers[i].mlp = _Tap(block, lambda x, i=i, b=block: self.hook(i, b, x))
+        return self
+
+    def untap(self, layer: int) -> None:
+        block = self.tapped.pop(layer, None)
+        if block is not None:
+            self.model.layers[layer].mlp = block
+
+    def __exit__(self, *exc) -> None:
+        for layer in list(self.tapped):
+            self.untap(layer)
 
 
 @dataclass(frozen=True)
@@ -337,7 +348,8 @@ def calibrate_routers(
         def hook(layer: int, block: nn.Module, x: mx.array) -> None:
             inputs = np.array(x.astype(mx.float32))
             for i in range(done[0], layer) if release else ():
-                dense.restore(i)
+                dense.restore(i)  # by the names it took them under, the tap's
+                taps.untap(i)
                 release(i)
             done[0] = layer
             result, tensors = _solve_layer(block, inputs, layer, routing, rng, dtype)
@@ -348,7 +360,7 @@ def calibrate_routers(
             if layer == blocks[-1][0]:
                 raise _Done  # nothing after the last router is needed (the LM head is the costliest part)
 
-        with _tapped(model, hook), DenseLayers(model) as dense:
+        with _Taps(model, hook) as taps, DenseLayers(model) as dense:
             try:
                 mx.eval(model(ids))
             except _Done:
@@ -403,7 +415,7 @@ def teacher_forced_trace(
     prompt = np.random.default_rng(seed).integers(0, vocab_size, prompt_tokens)
     fed = forced_tokens(vocab_size, WARMUP_STEPS + decode_tokens, seed)
     cache = make_prompt_cache(model)
-    with _tapped(model, hook):
+    with _Taps(model, hook):
         mx.eval(model(mx.array(prompt, mx.int32)[None], cache=cache))
         for step, token in enumerate(fed):
             recording[0] = step >= WARMUP_STEPS
