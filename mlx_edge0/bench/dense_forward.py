@@ -3,9 +3,10 @@
 The router calibration runs 5,120 tokens through a full-depth synthetic int4
 model on the CPU. There MLX's quantized matmul kernels do the same work per
 token whatever the batch, while a float matmul goes to BLAS, which batches:
-with an optimized BLAS a layer's forward is one to two orders of magnitude
-faster. (The ``mlx[cpu]`` wheel links the reference BLAS, no faster than the
-quantized kernels; preload an optimized one, as BENCHMARKS.md shows.)
+with an optimized BLAS the matmuls take two orders of magnitude less time and
+what is left of a layer is its other ops. (The ``mlx[cpu]`` wheel links the
+reference BLAS, no faster than the quantized kernels; preload an optimized
+one, as BENCHMARKS.md shows.)
 
 The stand-ins dequantize their weights when called, so the model holds no more
 than its int4 weights, and keep the quantized modules' parameter names, so a
