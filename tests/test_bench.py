@@ -228,8 +228,16 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     assert replay["hit_rate"]["min"] == replay["hit_rate"]["lfu"] == replay["ceiling"]
     distinct = r["locality"]["mean_distinct"] * 6  # experts first used in the trace
     assert replay["ceiling"] == pytest.approx(1 - distinct / (6 * 24))
+    # From the cache the decode began with (the prompt's and warm-up steps' experts), an unbounded
+    # cache hits what the runtime's did: every routing but the decode's first use of an expert.
+    start = replay["from_start"]
+    assert start["resident"] > 0 and start["ceiling"] > replay["ceiling"]
+    assert start["hit_rate"]["min"] == start["hit_rate"]["lfu"] == start["ceiling"]
+    c = r["counters_per_token"]
+    assert start["ceiling"] == pytest.approx(c["hot_hits"] / (c["hot_hits"] + c["hot_misses"]))
     m = run_metrics(r)
     assert m["min_hit_rate"] == replay["hit_rate"]["min"]
+    assert m["min_hit_rate_from_start"] == start["hit_rate"]["min"]
     assert m["hit_rate"] == pytest.approx(1 - r["counters_per_token"]["expert_loads"] / 24)
     # With the prerouter, layer 0 (no owner) is permanent in that cache: replayed resident from
     # the start, so only the other layers' first routings of an expert miss.

@@ -108,6 +108,25 @@ def test_permanent_keys_hit_from_the_start_and_leave_the_rest_to_the_other_layer
     assert [r.capacity for r in compare(t, [2, 3], ["lru"], permanent=layer0)] == [3]
 
 
+def test_a_replay_can_start_from_the_cache_the_runtime_had():
+    """One layer, 2 rows holding experts 0 then 2 when the replay starts
+    (the runtime's cache after the prompt and warm-up), then 1 0 2 0. By hand:
+    LRU and LFU know no past use of 0 or 2 and evict 0 (filled first) for 1,
+    then 2 for 0, then 1 for 2: one hit (the last 0). MIN evicts 2 (next use
+    call 2) for 1, hits 0, evicts 1 (never again) for 2, hits 0: two. From
+    an empty cache MIN gets one (the last 0). Ceilings: 3 of 4 (only 1 is a
+    first use) against 1 of 4."""
+    t = one_layer([1, 0, 2, 0], 3)
+    start = [(0, 0), (0, 2)]
+    assert {p: simulate(t, 2, p, resident=start).hits for p in ("lru", "lfu", "min")} == {"lru": 1, "lfu": 1, "min": 2}
+    assert simulate(t, 2, "min").hits == 1
+    assert ceiling(t, resident=start) == 0.75 and ceiling(t) == 0.25
+    assert simulate(t, 3, "lru", resident=start).hits == ceiling(t, resident=start) * 4
+    with pytest.raises(ValueError, match="2 keys resident at the start exceed the capacity 1"):
+        simulate(t, 1, "lru", resident=start)
+    assert [r.capacity for r in compare(t, [1, 2], ["lru"], resident=start)] == [2]
+
+
 def optimum(trace: RoutingTrace, capacity: int) -> int:
     """Most hits any eviction choice gets (exhaustive over minimal evictions)."""
     calls = [frozenset(keys) for keys in call_keys(trace)]

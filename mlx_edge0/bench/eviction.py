@@ -22,9 +22,13 @@ the call does not route to). Only the choice of victims differs:
 Misses are reads: each costs one bundle from the device, so bytes read per
 token are ``misses * bundle_bytes / tokens``. The cache starts empty but for
 ``permanent`` keys (the runtime's layers no owner predicts: read at load,
-never a victim, their rows out of every other layer's reach), so the first
-use of each other expert is a miss under every policy; :func:`ceiling` is the
-hit rate of an unbounded cache.
+never a victim, their rows out of every other layer's reach) and, if given,
+``resident`` keys: what the runtime's cache held when the replayed calls
+began (a decode trace follows a prompt and warm-up steps that filled it; a
+replay from empty counts their experts as misses the runtime never had).
+Resident keys are ordinary victims, but the policies know nothing of their
+past uses. The first use of every other expert is a miss under every
+policy; :func:`ceiling` is the hit rate of an unbounded cache.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ def simulate(
     predicted: Optional[RoutingTrace] = None,
     lookahead: Optional[int] = None,
     permanent: AbstractSet[Key] = frozenset(),
+    resident: Sequence[Key] = (),
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -171,11 +176,14 @@ def simulate(
         lookahead: MoE calls a ``*+next`` policy protects; default: one token
             (the number of MoE layers).
         permanent: keys resident from the start and never evicted.
+        resident: further keys resident from the start (evictable), in
+            the order their rows were filled.
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
             routed set (the runtime bypasses the cache then; a replay
-            cannot), or ``predicted`` does not match ``trace``'s shape.
+            cannot), ``permanent`` and ``resident`` together exceed it, or
+            ``predicted`` does not match ``trace``'s shape.
     """
     calls = call_keys(trace)
     largest = max((len(keys) for keys in calls), default=0)
@@ -183,6 +191,9 @@ def simulate(
         raise ValueError(
             f"capacity {capacity} less {len(permanent)} permanent is smaller than a routed set of {largest} experts"
         )
+    start = sorted(permanent) + [k for k in dict.fromkeys(resident) if k not in permanent]
+    if len(start) > capacity:
+        raise ValueError(f"{len(start)} keys resident at the start exceed the capacity {capacity}")
     if predicted is not None and (predicted.layers, len(predicted.tokens)) != (trace.layers, len(trace.tokens)):
         raise ValueError("the predicted trace must have the replayed trace's layers and token count")
     victims = make_policy(
@@ -192,26 +203,26 @@ def simulate(
         None if predicted is None else call_keys(predicted),
         len(trace.layers) if lookahead is None else lookahead,
     )
-    resident: dict[Key, int] = {k: row for row, k in enumerate(sorted(permanent))}
-    free = list(range(len(resident), capacity))
+    cached: dict[Key, int] = {k: row for row, k in enumerate(start)}
+    free = list(range(len(cached), capacity))
     hits = accesses = 0
     for keys in calls:  # as HotCache.fetch, without the reads
-        placed, evicted = plan_fill(keys, resident, free, victims, permanent)
+        placed, evicted = plan_fill(keys, cached, free, victims, permanent)
         for k in evicted:
-            del resident[k]
+            del cached[k]
             victims.forget(k)
         free = free[len(placed) - len(evicted) :]
-        resident.update(placed)
+        cached.update(placed)
         victims.touch(keys)
         hits += len(keys) - len(placed)
         accesses += len(keys)
     return CacheResult(policy, capacity, len(trace.tokens), accesses, hits, bundle_bytes)
 
 
-def ceiling(trace: RoutingTrace, permanent: AbstractSet[Key] = frozenset()) -> float:
+def ceiling(trace: RoutingTrace, permanent: AbstractSet[Key] = frozenset(), resident: Iterable[Key] = ()) -> float:
     """Hit rate of an unbounded cache: every routing but each expert's first
-    (``permanent`` experts are resident before theirs)."""
-    first = len({k for keys in call_keys(trace) for k in keys} - set(permanent))
+    (``permanent`` and ``resident`` experts are resident before theirs)."""
+    first = len({k for keys in call_keys(trace) for k in keys} - set(permanent) - set(resident))
     return 1 - first / trace.routings if trace.routings else float("nan")
 
 
@@ -223,13 +234,16 @@ def compare(
     bundle_bytes: int = 0,
     predicted: Optional[RoutingTrace] = None,
     permanent: AbstractSet[Key] = frozenset(),
+    resident: Sequence[Key] = (),
 ) -> list[CacheResult]:
     """Every policy at every capacity (capacities whose rows left by
-    ``permanent`` are fewer than a routed set skipped)."""
+    ``permanent`` are fewer than a routed set, or too few for ``resident``,
+    skipped)."""
     largest = max((len(ids) for tok in trace.tokens for ids in tok), default=0)
+    start = len(set(permanent) | set(resident))
     return [
-        simulate(trace, c, p, bundle_bytes=bundle_bytes, predicted=predicted, permanent=permanent)
+        simulate(trace, c, p, bundle_bytes=bundle_bytes, predicted=predicted, permanent=permanent, resident=resident)
         for c in capacities
-        if c - len(permanent) >= largest
+        if c - len(permanent) >= largest and c >= start
         for p in policies
     ]

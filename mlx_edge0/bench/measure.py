@@ -169,21 +169,30 @@ def _decode_trace(layers: list[int], steps: list[list[tuple[int, list[int]]]], n
     return RoutingTrace(tuple(layers), num_experts, k, tuple(tokens))
 
 
-def _eviction_replay(trace, capacity: int, permanent: frozenset) -> dict:
+def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list) -> dict:
     """The decode trace replayed through a cache of the run's hot capacity
-    (rows), empty but for its permanent bundles, under the runtime's policies
-    and Belady's MIN: how far the policy is from the optimum on exactly this
-    routing and budget."""
+    (rows) under the runtime's policies and Belady's MIN: how far the policy
+    is from the optimum on exactly this routing and budget. Twice: from a
+    cache empty but for its permanent bundles, and (``from_start``) from
+    what the runtime's cache held when the timed decode began (``resident``:
+    filled by the prompt and warm-up steps), the state the runtime's own hit
+    rate starts from."""
     from .eviction import ceiling, compare
 
-    results = compare(trace, [capacity], ("lfu", "lru", "min"), permanent=permanent)
     out = {
         "capacity": capacity,
         "permanent": len(permanent),
         "routings_per_token": trace.routings / max(1, len(trace.tokens)),
     }
+    results = compare(trace, [capacity], ("lfu", "lru", "min"), permanent=permanent)
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
         out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace, permanent))
+        started = compare(trace, [capacity], ("lfu", "lru", "min"), permanent=permanent, resident=resident)
+        out["from_start"] = {
+            "resident": len(set(resident) - permanent),
+            "hit_rate": {r.policy: r.hit_rate for r in started},
+            "ceiling": ceiling(trace, permanent, resident),
+        }
     return out
 
 
@@ -290,6 +299,8 @@ def measure(spec: RunSpec) -> dict:
     steps, per_step, before = [], [], _counters(model)
     telemetry = model.edge0_runtime.telemetry if hasattr(model, "edge0_runtime") else None
     routed_steps: list[list[tuple[int, list[int]]]] = []
+    hot = model.edge0_runtime.hot if hasattr(model, "edge0_runtime") else None
+    resident_at_start = [] if hot is None else list(hot.row_of)  # filled by the prompt and warm-up
     device_before = device_read_bytes()
 
     def queue(y: mx.array) -> mx.array:
@@ -334,9 +345,10 @@ def measure(spec: RunSpec) -> dict:
             list(section.moe_layers), routed_steps, section.experts.num_experts, section.num_experts_per_tok
         )
         record["locality"] = LocalitySummary.of(trace).as_dict()
-        hot = model.edge0_runtime.hot
         if hot is not None:
-            record["eviction_replay"] = _eviction_replay(trace, hot.capacity, frozenset(hot.permanent))
+            record["eviction_replay"] = _eviction_replay(
+                trace, hot.capacity, frozenset(hot.permanent), resident_at_start
+            )
 
     decode_s = sum(steps)
     record.update(

@@ -282,6 +282,9 @@ def run_metrics(r: dict) -> dict:
     if "hit_rate" in replay:
         m["min_hit_rate"] = replay["hit_rate"]["min"]
         m["lfu_replay_hit_rate"] = replay["hit_rate"]["lfu"]
+    if "from_start" in replay:  # the same replay from the cache the timed decode began with
+        m["min_hit_rate_from_start"] = replay["from_start"]["hit_rate"]["min"]
+        m["lfu_replay_hit_rate_from_start"] = replay["from_start"]["hit_rate"]["lfu"]
     if r.get("locality"):
         m["distinct_experts_per_layer"] = r["locality"]["mean_distinct"]
         m["reuse"] = r["locality"]["mean_reuse"]

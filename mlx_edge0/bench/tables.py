@@ -94,6 +94,8 @@ def _io_cells(e: dict) -> list[str]:
         cell(stat(e, "hit_rate", "metrics"), spread=False),
         cell(stat(e, "lfu_replay_hit_rate", "metrics"), spread=False),
         cell(stat(e, "min_hit_rate", "metrics"), spread=False),
+        cell(stat(e, "lfu_replay_hit_rate_from_start", "metrics"), spread=False),
+        cell(stat(e, "min_hit_rate_from_start", "metrics"), spread=False),
         cell(stat(e, "device_bytes_per_token", "metrics"), MB, 1, spread=False),
         cell(stat(e, "distinct_experts_per_layer", "metrics"), digits=1, spread=False),
         cell(stat(e, "reuse", "metrics"), spread=False),
@@ -102,7 +104,9 @@ def _io_cells(e: dict) -> list[str]:
 
 IO_HEADERS = ["exposed wait ms/step", "loads/token", "MiB/load", "MB/token", "hot hit rate",
               "staged slots filled from memory", "routings served from memory",
-              "replay from empty: LFU", "replay from empty: Belady's MIN", "device MB/token", "experts/layer touched",
+              "replay from empty: LFU", "replay from empty: Belady's MIN",
+              "replay from the decode's start: LFU", "replay from the decode's start: Belady's MIN",
+              "device MB/token", "experts/layer touched",
               "token-to-token reuse"]  # fmt: skip
 
 
