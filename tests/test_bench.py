@@ -232,7 +232,7 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     # cache hits what the runtime's did: every routing but the decode's first use of an expert.
     start = replay["from_start"]
     assert start["resident"] > 0 and start["ceiling"] > replay["ceiling"]
-    assert start["hit_rate"]["min"] == start["hit_rate"]["lfu"] == start["ceiling"]
+    assert start["hit_rate"]["min"] == start["hit_rate"]["lfu"] == start["hit_rate"]["lfu+next"] == start["ceiling"]
     c = r["counters_per_token"]
     assert start["ceiling"] == pytest.approx(c["hot_hits"] / (c["hot_hits"] + c["hot_misses"]))
     m = run_metrics(r)

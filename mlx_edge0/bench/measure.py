@@ -169,9 +169,14 @@ def _decode_trace(layers: list[int], steps: list[list[tuple[int, list[int]]]], n
     return RoutingTrace(tuple(layers), num_experts, k, tuple(tokens))
 
 
+# The runtime's policies, Belady's MIN, and LFU sparing the next token's routing
+# (a perfect prerouter's knowledge, which the runtime does not use yet).
+REPLAYED_POLICIES = ("lfu", "lru", "min", "lfu+next")
+
+
 def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list) -> dict:
     """The decode trace replayed through a cache of the run's hot capacity
-    (rows) under the runtime's policies and Belady's MIN: how far the policy
+    (rows) under :data:`REPLAYED_POLICIES`: how far the policy
     is from the optimum on exactly this routing and budget. Twice: from a
     cache empty but for its permanent bundles, and (``from_start``) from
     what the runtime's cache held when the timed decode began (``resident``:
@@ -184,10 +189,10 @@ def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list)
         "permanent": len(permanent),
         "routings_per_token": trace.routings / max(1, len(trace.tokens)),
     }
-    results = compare(trace, [capacity], ("lfu", "lru", "min"), permanent=permanent)
+    results = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent)
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
         out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace, permanent))
-        started = compare(trace, [capacity], ("lfu", "lru", "min"), permanent=permanent, resident=resident)
+        started = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent, resident=resident)
         out["from_start"] = {
             "resident": len(set(resident) - permanent),
             "hit_rate": {r.policy: r.hit_rate for r in started},
