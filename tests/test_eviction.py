@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_edge0.bench.eviction import POLICY_NAMES, call_keys, ceiling, compare, simulate
+from mlx_edge0.bench.eviction import POLICY_NAMES, POPULARITY, call_keys, ceiling, compare, simulate
 from mlx_edge0.bench.locality import RoutingTrace
 
 PROPERTY = settings(
@@ -75,6 +75,21 @@ def test_prediction_aware_uses_the_given_prediction():
     assert simulate(t, 2, "lru+next", predicted=t).hits == simulate(t, 2, "lru+next").hits == 3
     with pytest.raises(ValueError, match="same|layers and token count"):
         simulate(t, 2, "lru+next", predicted=one_layer([3] * 4, 4))
+
+
+def test_knowing_the_popularity_keeps_what_learning_from_the_past_evicts():
+    """One layer, 2 rows, experts 1 2 0 1 0 1, expert 2 the least popular.
+    At call 2 (expert 0) LRU and LFU evict 1 (used once, longer ago) and then
+    miss it at call 3: 2 hits (calls 4 and 5). The popularity policy evicts
+    2, the expert never routed again, as MIN does: 3 hits (calls 3-5). A key
+    with no popularity given counts as the least popular."""
+    t = one_layer([1, 2, 0, 1, 0, 1], 3)
+    popularity = {(0, 0): 0.5, (0, 1): 0.4, (0, 2): 0.1}
+    hits = {p: simulate(t, 2, p, popularity=popularity).hits for p in ("lru", "lfu", POPULARITY, "min")}
+    assert hits == {"lru": 2, "lfu": 2, POPULARITY: 3, "min": 3}
+    assert simulate(t, 2, POPULARITY, popularity={(0, 0): 0.5, (0, 1): 0.4}).hits == 3
+    with pytest.raises(ValueError, match="needs the experts' popularity"):
+        simulate(t, 2, POPULARITY)
 
 
 def test_an_unbounded_cache_reaches_the_ceiling_under_every_policy():

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mlx_edge0.bench.locality import coverage_per_layer, reuse_per_layer
-from mlx_edge0.bench.synthetic_routing import Locality, calibrate, generate, synthetic_trace
+from mlx_edge0.bench.synthetic_routing import Locality, calibrate, generate, generate_with_popularity, synthetic_trace
 
 
 def test_uniform_has_no_locality_beyond_chance():
@@ -31,3 +32,20 @@ def test_calibrated_reaches_the_published_coverage():
         synthetic_trace((0,), 16, 4, 8, locality="zipf")
     with pytest.raises(ValueError, match="keep in"):
         Locality(keep=1.5)
+
+
+def test_the_popularity_returned_is_what_the_tokens_were_drawn_from():
+    """The same trace as ``generate`` for the seed, and per layer weights
+    summing to 1: equal without skew; with skew the heaviest expert is the
+    one routed most over a long trace."""
+    knobs = Locality(popularity=1.5)
+    t, weights = generate_with_popularity((0, 5), 32, 2, 600, knobs, seed=3)
+    assert t == generate((0, 5), 32, 2, 600, knobs, seed=3)
+    assert weights.shape == (2, 32) and np.allclose(weights.sum(axis=1), 1.0)
+    counts = np.zeros((2, 32))
+    for tok in t.tokens:
+        for i, ids in enumerate(tok):
+            counts[i, list(ids)] += 1
+    assert (counts.argmax(axis=1) == weights.argmax(axis=1)).all()
+    _, flat = generate_with_popularity((0,), 8, 2, 10, Locality())
+    assert np.allclose(flat, 1 / 8)

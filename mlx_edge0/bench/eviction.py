@@ -18,6 +18,14 @@ the call does not route to). Only the choice of victims differs:
   token's layers up to this one, what a prerouter predicting one token ahead
   knows when the call is made. The trace itself is the prediction (a perfect
   prerouter) unless a predicted trace of the same shape is given.
+- ``popularity``: evict the expert with the lowest given popularity (the
+  probability a token routes to it). Given the true popularity of a trace
+  whose tokens route independently (a synthetic one,
+  ``synthetic_routing.generate_with_popularity``), this is the optimal
+  online policy for independent references (Aho, Denning and Ullman's A0):
+  in the long run no victim choice that learns popularity from past uses
+  does better on average, so its distance to MIN is the part of a gap that
+  only knowing the future closes.
 
 Misses are reads: each costs one bundle from the device, so bytes read per
 token are ``misses * bundle_bytes / tokens``. The cache starts empty but for
@@ -35,7 +43,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass
-from typing import AbstractSet, Hashable, Iterable, Optional, Sequence
+from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
 from ..hot import POLICIES, LRUPolicy, plan_fill
 from .locality import RoutingTrace
@@ -44,6 +52,7 @@ Key = tuple[int, int]  # (layer, expert)
 BASE_POLICIES = tuple(POLICIES)  # "lfu", "lru"
 PREDICTION_AWARE = tuple(f"{name}+next" for name in BASE_POLICIES)
 POLICY_NAMES = ("lru", "lfu", "min", "lru+next", "lfu+next")
+POPULARITY = "popularity"  # needs the experts' popularity: not in POLICY_NAMES
 
 
 def call_keys(trace: RoutingTrace) -> list[list[Key]]:
@@ -104,6 +113,23 @@ class PredictionAware:
         return (self.base.victims(spare, len(spare)) + self.base.victims(kept, len(kept)))[:n]
 
 
+class PopularityPolicy:
+    """Evict the least popular candidates (ties by key); keys without a
+    popularity count as 0."""
+
+    def __init__(self, popularity: Mapping[Key, float]):
+        self.popularity = popularity
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        pass
+
+    def forget(self, key: Hashable) -> None:
+        pass
+
+    def victims(self, candidates: Sequence[Key], n: int) -> list[Key]:
+        return sorted(candidates, key=lambda k: (self.popularity.get(k, 0.0), k))[:n]
+
+
 @dataclass(frozen=True)
 class CacheResult:
     """One policy's replay of one trace at one capacity."""
@@ -141,10 +167,16 @@ def make_policy(
     capacity: int,
     predicted: Optional[Sequence[Sequence[Key]]] = None,
     lookahead: int = 1,
+    popularity: Optional[Mapping[Key, float]] = None,
 ):
-    """The victim chooser called ``name`` (one of :data:`POLICY_NAMES`)."""
+    """The victim chooser called ``name`` (one of :data:`POLICY_NAMES`, or
+    :data:`POPULARITY` with ``popularity`` given)."""
     if name == "min":
         return BeladyPolicy(calls)
+    if name == POPULARITY:
+        if popularity is None:
+            raise ValueError("the popularity policy needs the experts' popularity")
+        return PopularityPolicy(popularity)
     if name in POLICIES:
         return POLICIES[name](capacity)
     if name in PREDICTION_AWARE:
@@ -163,6 +195,7 @@ def simulate(
     lookahead: Optional[int] = None,
     permanent: AbstractSet[Key] = frozenset(),
     resident: Sequence[Key] = (),
+    popularity: Optional[Mapping[Key, float]] = None,
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -178,6 +211,7 @@ def simulate(
         permanent: keys resident from the start and never evicted.
         resident: further keys resident from the start (evictable), in
             the order their rows were filled.
+        popularity: for :data:`POPULARITY`, each key's popularity.
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
@@ -202,6 +236,7 @@ def simulate(
         capacity,
         None if predicted is None else call_keys(predicted),
         len(trace.layers) if lookahead is None else lookahead,
+        popularity,
     )
     cached: dict[Key, int] = {k: row for row, k in enumerate(start)}
     free = list(range(len(cached), capacity))

@@ -61,7 +61,10 @@ class Locality:
             raise ValueError(f"popularity must be >= 0 and keep in [0, 1], got {self}")
 
 
-def _layer_sets(rng: np.random.Generator, num_experts: int, k: int, tokens: int, knobs: Locality) -> list[tuple]:
+def _layer_sets(
+    rng: np.random.Generator, num_experts: int, k: int, tokens: int, knobs: Locality
+) -> tuple[list[tuple], np.ndarray]:
+    """One layer's routed sets and its draw weights (the Zipf popularity)."""
     order = rng.permutation(num_experts)
     p = np.empty(num_experts)
     p[order] = 1.0 / np.arange(1, num_experts + 1) ** knobs.popularity
@@ -74,19 +77,30 @@ def _layer_sets(rng: np.random.Generator, num_experts: int, k: int, tokens: int,
         drawn = rng.choice(num_experts, size=k - len(kept), replace=False, p=weights / weights.sum())
         previous = kept + [int(e) for e in drawn]
         sets.append(tuple(sorted(previous)))
-    return sets
+    return sets, p / p.sum()
+
+
+def generate_with_popularity(
+    layers: Sequence[int], num_experts: int, k: int, tokens: int, knobs: Locality, seed: int = 0, source: str = ""
+) -> tuple[RoutingTrace, np.ndarray]:
+    """A trace with the given knobs (the same seed gives the same trace) and
+    each layer's popularity, ``[len(layers), E]``: the generator's draw
+    weights, summing to 1 per layer. With ``keep`` 0 tokens are independent
+    draws from it, so it is everything a cache could know in advance."""
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"K must be in [1, E={num_experts}], got {k}")
+    rng = np.random.default_rng(seed)
+    per_layer = [_layer_sets(rng, num_experts, k, tokens, knobs) for _ in layers]
+    trace_tokens = tuple(tuple(per_layer[i][0][t] for i in range(len(layers))) for t in range(tokens))
+    trace = RoutingTrace(tuple(layers), num_experts, k, trace_tokens, source or f"synthetic {knobs}, seed {seed}")
+    return trace, np.stack([weights for _, weights in per_layer])
 
 
 def generate(
     layers: Sequence[int], num_experts: int, k: int, tokens: int, knobs: Locality, seed: int = 0, source: str = ""
 ) -> RoutingTrace:
     """A trace with the given knobs; the same seed gives the same trace."""
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"K must be in [1, E={num_experts}], got {k}")
-    rng = np.random.default_rng(seed)
-    per_layer = [_layer_sets(rng, num_experts, k, tokens, knobs) for _ in layers]
-    trace_tokens = tuple(tuple(per_layer[i][t] for i in range(len(layers))) for t in range(tokens))
-    return RoutingTrace(tuple(layers), num_experts, k, trace_tokens, source or f"synthetic {knobs}, seed {seed}")
+    return generate_with_popularity(layers, num_experts, k, tokens, knobs, seed, source)[0]
 
 
 def _measure(num_experts: int, k: int, knobs: Locality) -> tuple[float, float]:

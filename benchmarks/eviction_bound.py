@@ -1,0 +1,117 @@
+"""How close can a victim choice that learns from past uses get to Belady's MIN?
+
+The runtime's LFU sits 12-14 points below MIN where a 2 GiB cache must evict
+on the calibrated 35B (BENCHMARKS.md, "A 2 GiB hot cache"), and sparing the
+next token's experts closes only 3 of them. This replays synthetic traces of
+that run's shape (``mlx_edge0.bench.synthetic_routing``: a Zipf popularity
+per layer solved for the measured 90% coverage, tokens drawn independently
+when popularity alone gives the measured reuse) through one shared cache
+(``mlx_edge0.bench.eviction``) under:
+
+- ``lru``, ``lfu``: the runtime's policies, learning from past uses;
+- ``lfu+next``: LFU that spares the next token's experts (a perfect
+  one-token-ahead prerouter);
+- ``popularity``: the generator's true popularity, the long-run optimum for
+  independent references (A0): how far knowing each expert's popularity in
+  advance, rather than learning it, would take a cache;
+- ``min``: Belady's MIN, which knows the whole future.
+
+Every replay starts empty; longer traces show the steady state. Prints a
+table (medians over seeds, ranges) and writes JSON:
+
+    python benchmarks/eviction_bound.py [--layers 40] [--experts 256] [--k 4]
+        [--capacity 1092] [--coverage90 0.51] [--reuse 0.107]
+        [--tokens 24,64,256,1024] [--seeds 0,1,2] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from mlx_edge0.bench.eviction import POPULARITY, ceiling, simulate
+from mlx_edge0.bench.locality import LocalitySummary
+from mlx_edge0.bench.synthetic_routing import calibrate, generate_with_popularity
+from mlx_edge0.progress import bar
+
+POLICIES = ("lru", "lfu", "lfu+next", POPULARITY, "min")
+
+
+def replay(layers: int, experts: int, k: int, capacity: int, tokens: int, seed: int, knobs) -> dict:
+    """Every policy on one synthetic trace."""
+    trace, weights = generate_with_popularity(tuple(range(layers)), experts, k, tokens, knobs, seed)
+    popularity = {(layer, e): float(weights[layer, e]) for layer in range(layers) for e in range(experts)}
+    summary = LocalitySummary.of(trace)
+    hit_rate = {p: simulate(trace, capacity, p, popularity=popularity).hit_rate for p in POLICIES}
+    return {
+        "tokens": tokens,
+        "seed": seed,
+        "reuse": summary.mean("reuse"),
+        "coverage90": summary.mean("coverage90"),
+        "distinct": summary.mean("distinct"),
+        "ceiling": ceiling(trace),
+        "hit_rate": hit_rate,
+    }
+
+
+def table(runs: list[dict], token_counts: list[int]) -> str:
+    head = "| tokens | " + " | ".join(POLICIES) + " | unbounded | gap to MIN (points) | distinct experts/layer |"
+    rows = [head, "|" + "---|" * (len(POLICIES) + 4)]
+    for tokens in token_counts:
+        these = [r for r in runs if r["tokens"] == tokens]
+
+        def med(values: list[float]) -> float:
+            return statistics.median(values)
+
+        cells = []
+        for p in POLICIES:
+            values = [r["hit_rate"][p] for r in these]
+            cells.append(f"{med(values):.3f} ({min(values):.3f}–{max(values):.3f})")
+        best = med([r["hit_rate"]["min"] for r in these])
+        gaps = ", ".join(f"{p} {100 * (best - med([r['hit_rate'][p] for r in these])):.1f}" for p in POLICIES[:-1])
+        rows.append(
+            f"| {tokens} | "
+            + " | ".join(cells)
+            + f" | {med([r['ceiling'] for r in these]):.3f} | {gaps} | {med([r['distinct'] for r in these]):.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=40, help="MoE layers sharing the cache")
+    p.add_argument("--experts", type=int, default=256, help="experts per layer (E)")
+    p.add_argument("--k", type=int, default=4, help="routed experts per token (K)")
+    p.add_argument("--capacity", type=int, default=1092, help="cache rows shared by all layers")
+    p.add_argument("--coverage90", type=float, default=0.51, help="share of experts covering 90%% of routings")
+    p.add_argument("--reuse", type=float, default=0.107, help="adjacent-token reuse to calibrate for")
+    p.add_argument("--tokens", default="24,64,256,1024", help="trace lengths")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--out", type=Path, help="write the results as JSON")
+    a = p.parse_args()
+    token_counts = [int(t) for t in a.tokens.split(",")]
+    seeds = [int(s) for s in a.seeds.split(",")]
+    if a.capacity < a.k * a.layers:
+        raise SystemExit(f"--capacity {a.capacity} is below one token's routed sets ({a.k} x {a.layers} layers)")
+    knobs = calibrate(a.experts, a.k, a.coverage90, a.reuse)
+    runs = []
+    with bar(sum(token_counts) * len(seeds), "replayed tokens", unit="tok") as b:
+        for tokens in token_counts:
+            for seed in seeds:
+                runs.append(replay(a.layers, a.experts, a.k, a.capacity, tokens, seed, knobs))
+                b.update(tokens)
+    print(
+        f"\n{a.layers} layers x E={a.experts}, K={a.k}, {a.capacity} rows ({a.capacity / (a.layers * a.experts):.1%}"
+        f" of all experts); {knobs}; medians over seeds {a.seeds} (range)\n"
+    )
+    print(table(runs, token_counts))
+    if a.out:
+        options = {k: v for k, v in vars(a).items() if k != "out"}
+        knob_values = {"popularity": knobs.popularity, "keep": knobs.keep}
+        a.out.write_text(json.dumps({"options": options, "knobs": knob_values, "runs": runs}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
