@@ -14,12 +14,16 @@ tokenized by the checkpoint's tokenizer, or, for a checkpoint without one
   uniform routing gives;
 - hit rate and device bytes read per token of LRU, LFU, prediction-aware
   LRU/LFU and MIN at several cache sizes (``mlx_edge0.bench.eviction``), and
-  each policy's gap to MIN in points;
+  each policy's gap to MIN in points; with a tokenizer also ``popularity``:
+  a cache that keeps the experts most popular in a profile recorded the same
+  way on other text (``--profile-tokens`` of the stdlib files the default
+  model never trained on), to see whether a popularity measured in advance
+  carries over from one text to another;
 - the same cache table for synthetic traces of the same shape
   (``mlx_edge0.bench.synthetic_routing``): ``uniform`` and ``calibrated``.
 
     python benchmarks/routing_locality.py [CKPT] [--tokens 256] [--fractions 0.125,0.25,0.5]
-        [--out FILE.json] [--trace-out TRACE.json]
+        [--profile-tokens 1024] [--out FILE.json] [--trace-out TRACE.json]
 
 Without CKPT it measures the embedded default model.
 """
@@ -29,17 +33,19 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
-from mlx_edge0.bench.eviction import POLICY_NAMES, CacheResult, ceiling, compare
+from mlx_edge0.bench.eviction import POLICY_NAMES, POPULARITY, CacheResult, Key, ceiling, compare, measured_popularity
 from mlx_edge0.bench.locality import LocalitySummary, RoutingTrace
 from mlx_edge0.bench.synthetic_routing import LOCALITIES, synthetic_trace
 from mlx_edge0.checkpoint import read_config, text_config
 from mlx_edge0.default_model import default_checkpoint
+from mlx_edge0.train.data import split_corpus
 
 PROMPT_TOKENS = 16
 TEXT = '''import os
@@ -98,30 +104,54 @@ if __name__ == "__main__":
 '''
 
 
-def record_trace(path: Path, tokens: int) -> tuple[RoutingTrace, int]:
-    """Teacher-forced decode trace of ``tokens`` steps and the bundle bytes of one expert."""
-    options = dict(cache_gib=0, staged=False, prefill="exact", prerouter=False)
-    need = PROMPT_TOKENS + tokens
-    if (path / "tokenizer_config.json").is_file():
-        model, tokenizer = mlx_edge0.load(path, **options)
-        ids, text = tokenizer.encode(TEXT), "built-in Python text"
-        if len(ids) < need:
-            raise SystemExit(f"the built-in text is {len(ids)} tokens; ask for at most {len(ids) - PROMPT_TOKENS}")
-    else:  # a synthetic checkpoint has no tokenizer
-        model = mlx_edge0.load_model(path, **options)
-        vocab = text_config(read_config(path))["vocab_size"]
-        ids, text = np.random.default_rng(0).integers(0, vocab, need).tolist(), "random ids, seed 0"
-    ids = ids[:need]
+def decode_trace(model, ids: list[int], path: Path, text: str) -> RoutingTrace:
+    """Prefill ``PROMPT_TOKENS`` of ``ids``, feed the rest one at a time, and
+    return the decode steps' routing."""
     rt = model.edge0_runtime
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array(ids[:PROMPT_TOKENS], mx.int32)[None], cache=cache))
     rt.telemetry.routing_trace = calls = []  # decode steps only
     for token in ids[PROMPT_TOKENS:]:
         mx.eval(model(mx.array([[token]], mx.int32), cache=cache))
+    rt.telemetry.routing_trace = None
     section = rt.section
-    source = f"{path} ({text}, {PROMPT_TOKENS} prompt tokens, {tokens} teacher-forced)"
-    trace = RoutingTrace.from_calls(calls, section.experts.num_experts, section.num_experts_per_tok, source)
-    return trace, section.experts.bundle_bytes
+    source = f"{path} ({text}, {PROMPT_TOKENS} prompt tokens, {len(ids) - PROMPT_TOKENS} teacher-forced)"
+    return RoutingTrace.from_calls(calls, section.experts.num_experts, section.num_experts_per_tok, source)
+
+
+def held_out_ids(tokenizer, count: int) -> list[int]:
+    """The first ``count`` tokens of the stdlib files the default model never
+    trained on (``mlx_edge0.train.data``'s held-out split), in path order."""
+    ids: list[int] = []
+    for text in split_corpus().texts("held_out"):
+        ids += tokenizer.encode(text)
+        if len(ids) >= count:
+            return ids[:count]
+    raise SystemExit(f"the held-out stdlib files hold {len(ids)} tokens; ask for at most {len(ids) - PROMPT_TOKENS}")
+
+
+def record_traces(path: Path, tokens: int, profile_tokens: int) -> tuple[RoutingTrace, Optional[RoutingTrace], int]:
+    """Teacher-forced decode trace of ``tokens`` steps, the held-out profile
+    trace of ``profile_tokens`` steps (None without a tokenizer or when 0),
+    and the bundle bytes of one expert."""
+    options = dict(cache_gib=0, staged=False, prefill="exact", prerouter=False)
+    need = PROMPT_TOKENS + tokens
+    profile = None
+    if (path / "tokenizer_config.json").is_file():
+        model, tokenizer = mlx_edge0.load(path, **options)
+        ids = tokenizer.encode(TEXT)
+        if len(ids) < need:
+            raise SystemExit(f"the built-in text is {len(ids)} tokens; ask for at most {len(ids) - PROMPT_TOKENS}")
+        trace = decode_trace(model, ids[:need], path, "built-in Python text")
+        if profile_tokens:
+            held_out = held_out_ids(tokenizer, PROMPT_TOKENS + profile_tokens)
+            profile = decode_trace(model, held_out, path, "held-out stdlib files")
+    else:  # a synthetic checkpoint has no tokenizer
+        model = mlx_edge0.load_model(path, **options)
+        vocab = text_config(read_config(path))["vocab_size"]
+        ids = np.random.default_rng(0).integers(0, vocab, need).tolist()
+        trace = decode_trace(model, ids, path, "random ids, seed 0")
+    return trace, profile, model.edge0_runtime.section.experts.bundle_bytes
 
 
 def capacities(trace: RoutingTrace, fractions: list[float]) -> list[int]:
@@ -146,6 +176,7 @@ def locality_table(summary: LocalitySummary, layers: tuple[int, ...]) -> str:
 
 def cache_table(results: list[CacheResult], total: int, ceil: float) -> str:
     names = [p for p in POLICY_NAMES if p != "min"]
+    names += [POPULARITY] if any(r.policy == POPULARITY for r in results) else []
     head = "| slots (of all) | " + " | ".join(names) + " | MIN | unbounded | gap to MIN (points) | MIN KiB/token |"
     rows = [head, "|" + "---|" * (len(names) + 5)]
     by = {(r.capacity, r.policy): r for r in results}
@@ -160,9 +191,13 @@ def cache_table(results: list[CacheResult], total: int, ceil: float) -> str:
     return "\n".join(rows)
 
 
-def report(name: str, trace: RoutingTrace, caps: list[int], bundle: int) -> dict:
+def report(
+    name: str, trace: RoutingTrace, caps: list[int], bundle: int, popularity: Optional[dict[Key, float]] = None
+) -> dict:
     summary = LocalitySummary.of(trace)
     results = compare(trace, caps, bundle_bytes=bundle)
+    if popularity is not None:
+        results += compare(trace, caps, [POPULARITY], bundle_bytes=bundle, popularity=popularity)
     total = len(trace.layers) * trace.num_experts
     print(
         f"\n## {name}: {len(trace.tokens)} tokens, {len(trace.layers)} MoE layers, E={trace.num_experts}, K={trace.k}\n"
@@ -190,13 +225,22 @@ def main() -> None:
     p.add_argument("--fractions", default="0.125,0.25,0.5", help="cache sizes as fractions of all experts")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     p.add_argument("--trace-out", type=Path, help="write the recorded trace as JSON")
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=1024,
+        help="decode steps of held-out stdlib text whose expert popularity the popularity policy keeps (0: none)",
+    )
     a = p.parse_args()
     path = a.checkpoint or default_checkpoint()
-    trace, bundle = record_trace(path, a.tokens)
+    trace, profile, bundle = record_traces(path, a.tokens, a.profile_tokens)
     if a.trace_out:
         trace.save(a.trace_out)
     caps = capacities(trace, [float(f) for f in a.fractions.split(",")])
-    runs = [report("recorded", trace, caps, bundle)]
+    popularity = None if profile is None else measured_popularity(profile)
+    runs = [report("recorded", trace, caps, bundle, popularity)]
+    if profile is not None:
+        runs[0] |= {"profile": profile.source, "profile_locality": LocalitySummary.of(profile).as_dict()}
     for locality in LOCALITIES:
         synthetic = synthetic_trace(
             trace.layers, trace.num_experts, trace.k, len(trace.tokens), locality=locality, seed=0

@@ -10,7 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_edge0.bench.eviction import POLICY_NAMES, POPULARITY, call_keys, ceiling, compare, simulate
+from mlx_edge0.bench.eviction import (
+    POLICY_NAMES,
+    POPULARITY,
+    call_keys,
+    ceiling,
+    compare,
+    measured_popularity,
+    simulate,
+)
 from mlx_edge0.bench.locality import RoutingTrace
 
 PROPERTY = settings(
@@ -90,6 +98,19 @@ def test_knowing_the_popularity_keeps_what_learning_from_the_past_evicts():
     assert simulate(t, 2, POPULARITY, popularity={(0, 0): 0.5, (0, 1): 0.4}).hits == 3
     with pytest.raises(ValueError, match="needs the experts' popularity"):
         simulate(t, 2, POPULARITY)
+
+
+def test_a_profile_is_each_experts_share_of_its_layers_routings():
+    """Layers 3 and 7, K=2, two tokens: layer 3 routes 0 1 then 0 2 (0 takes
+    half its routings), layer 7 routes 1 2 twice. The one-layer trace of the
+    popularity test, profiled on itself (2 the least routed), makes the
+    policy evict 2 as MIN does: 3 hits; ``compare`` hands the profile on."""
+    t = RoutingTrace((3, 7), 3, 2, (((0, 1), (1, 2)), ((0, 2), (1, 2))))
+    profile = measured_popularity(t)
+    assert profile == {(3, 0): 0.5, (3, 1): 0.25, (3, 2): 0.25, (7, 1): 0.5, (7, 2): 0.5}
+    replay = one_layer([1, 2, 0, 1, 0, 1], 3)
+    assert simulate(replay, 2, POPULARITY, popularity=measured_popularity(replay)).hits == 3
+    assert [r.policy for r in compare(replay, [2], ["lfu", POPULARITY], popularity=profile)] == ["lfu", POPULARITY]
 
 
 def test_an_unbounded_cache_reaches_the_ceiling_under_every_policy():

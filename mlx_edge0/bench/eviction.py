@@ -130,6 +130,18 @@ class PopularityPolicy:
         return sorted(candidates, key=lambda k: (self.popularity.get(k, 0.0), k))[:n]
 
 
+def measured_popularity(trace: RoutingTrace) -> dict[Key, float]:
+    """Each expert's share of its layer's routings in ``trace``: a profile
+    measured on one text, for :class:`PopularityPolicy` on another."""
+    counts: dict[Key, int] = {}
+    per_layer: dict[int, int] = {}
+    for keys in call_keys(trace):
+        for k in keys:
+            counts[k] = counts.get(k, 0) + 1
+            per_layer[k[0]] = per_layer.get(k[0], 0) + 1
+    return {k: c / per_layer[k[0]] for k, c in counts.items()}
+
+
 @dataclass(frozen=True)
 class CacheResult:
     """One policy's replay of one trace at one capacity."""
@@ -270,6 +282,7 @@ def compare(
     predicted: Optional[RoutingTrace] = None,
     permanent: AbstractSet[Key] = frozenset(),
     resident: Sequence[Key] = (),
+    popularity: Optional[Mapping[Key, float]] = None,
 ) -> list[CacheResult]:
     """Every policy at every capacity (capacities whose rows left by
     ``permanent`` are fewer than a routed set, or too few for ``resident``,
@@ -277,7 +290,16 @@ def compare(
     largest = max((len(ids) for tok in trace.tokens for ids in tok), default=0)
     start = len(set(permanent) | set(resident))
     return [
-        simulate(trace, c, p, bundle_bytes=bundle_bytes, predicted=predicted, permanent=permanent, resident=resident)
+        simulate(
+            trace,
+            c,
+            p,
+            bundle_bytes=bundle_bytes,
+            predicted=predicted,
+            permanent=permanent,
+            resident=resident,
+            popularity=popularity,
+        )
         for c in capacities
         if c - len(permanent) >= largest and c >= start
         for p in policies
