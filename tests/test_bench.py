@@ -218,6 +218,8 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     """A hot arm records its decode trace replayed at its own rows under LFU,
     LRU and MIN: with every expert's row (the default model: 6 x 16), MIN
     hits every routing but each expert's first, i.e. the trace's ceiling."""
+    from mlx_edge0.bench.eviction import simulate
+    from mlx_edge0.bench.locality import LocalitySummary, RoutingTrace
     from mlx_edge0.bench.runner import run_metrics
     from mlx_edge0.default_model import default_checkpoint
 
@@ -235,6 +237,12 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     assert start["hit_rate"]["min"] == start["hit_rate"]["lfu"] == start["hit_rate"]["lfu+next"] == start["ceiling"]
     c = r["counters_per_token"]
     assert start["ceiling"] == pytest.approx(c["hot_hits"] / (c["hot_hits"] + c["hot_misses"]))
+    # the record keeps the routing and the start, so any policy replays offline from them
+    trace = RoutingTrace(**r["routing"])
+    assert LocalitySummary.of(trace).as_dict() == r["locality"]
+    resident = [tuple(k) for k in replay["resident_keys"]]
+    assert len(resident) == start["resident"] and replay["permanent_keys"] == []
+    assert simulate(trace, 96, "lru", resident=resident).hit_rate == start["hit_rate"]["lru"]
     m = run_metrics(r)
     assert m["min_hit_rate"] == replay["hit_rate"]["min"]
     assert m["min_hit_rate_from_start"] == start["hit_rate"]["min"]
@@ -245,6 +253,7 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     assert p["ok"], p.get("stderr_tail")
     replay = p["eviction_replay"]
     assert replay["permanent"] == 16 and replay["hit_rate"]["min"] == replay["ceiling"]
+    assert {tuple(k) for k in replay["permanent_keys"]} == {(0, e) for e in range(16)}
     assert replay["ceiling"] == pytest.approx(1 - sum(p["locality"]["distinct"][1:]) / (6 * 24))
 
 

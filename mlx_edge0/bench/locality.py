@@ -93,8 +93,12 @@ class RoutingTrace:
                 )
         return cls(layers, num_experts, k, tuple(tuple(ids for _, ids in tok) for tok in tokens), source)
 
+    def as_dict(self) -> dict:
+        """The fields as JSON types (``RoutingTrace(**d)`` rebuilds it)."""
+        return asdict(self)
+
     def save(self, path: Path | str) -> None:
-        data = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **asdict(self)}
+        data = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **self.as_dict()}
         Path(path).write_text(json.dumps(data, separators=(",", ":")) + "\n")
 
     @classmethod

@@ -188,6 +188,9 @@ def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list)
         "capacity": capacity,
         "permanent": len(permanent),
         "routings_per_token": trace.routings / max(1, len(trace.tokens)),
+        # the keys themselves, so the record replays offline from the same start
+        "permanent_keys": sorted(permanent),
+        "resident_keys": list(resident),
     }
     results = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent)
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
@@ -350,6 +353,7 @@ def measure(spec: RunSpec) -> dict:
             list(section.moe_layers), routed_steps, section.experts.num_experts, section.num_experts_per_tok
         )
         record["locality"] = LocalitySummary.of(trace).as_dict()
+        record["routing"] = trace.as_dict()  # RoutingTrace(**routing): replay any policy later
         if hot is not None:
             record["eviction_replay"] = _eviction_replay(
                 trace, hot.capacity, frozenset(hot.permanent), resident_at_start
