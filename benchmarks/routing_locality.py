@@ -23,7 +23,7 @@ tokenized by the checkpoint's tokenizer, or, for a checkpoint without one
   (``mlx_edge0.bench.synthetic_routing``): ``uniform`` and ``calibrated``.
 
     python benchmarks/routing_locality.py [CKPT] [--tokens 256] [--fractions 0.125,0.25,0.5]
-        [--profile-tokens 1024] [--out FILE.json] [--trace-out TRACE.json]
+        [--profile-tokens 1024] [--out FILE.json] [--trace-out TRACE.json] [--profile-trace-out TRACE.json]
 
 Without CKPT it measures the embedded default model.
 """
@@ -225,6 +225,7 @@ def main() -> None:
     p.add_argument("--fractions", default="0.125,0.25,0.5", help="cache sizes as fractions of all experts")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     p.add_argument("--trace-out", type=Path, help="write the recorded trace as JSON")
+    p.add_argument("--profile-trace-out", type=Path, help="write the held-out profile's trace as JSON")
     p.add_argument(
         "--profile-tokens",
         type=int,
@@ -236,6 +237,8 @@ def main() -> None:
     trace, profile, bundle = record_traces(path, a.tokens, a.profile_tokens)
     if a.trace_out:
         trace.save(a.trace_out)
+    if a.profile_trace_out and profile is not None:
+        profile.save(a.profile_trace_out)
     caps = capacities(trace, [float(f) for f in a.fractions.split(",")])
     popularity = None if profile is None else measured_popularity(profile)
     runs = [report("recorded", trace, caps, bundle, popularity)]

@@ -25,6 +25,7 @@ from .slots import SlotBuffers
 from .store import ExpertStore
 
 Key = tuple[int, int]  # (layer, expert)
+LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touches
 
 
 class LRUPolicy:
@@ -48,19 +49,25 @@ class LRUPolicy:
 
 class FrequencyPolicy(LRUPolicy):
     """Evict the least frequently used bundle; counts halve every
-    ``8 x capacity`` touches so yesterday's favourites age out."""
+    ``aging x capacity`` touches (never with ``aging`` 0) so yesterday's
+    favourites age out. The default, :data:`LFU_AGING`, is the shortest
+    memory that kept nearly all the hit rate of never halving on the traces
+    replayed in BENCHMARKS.md ("How long LFU remembers"); a shorter one
+    forgets popular experts between their uses."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, aging: int = LFU_AGING):
         super().__init__(capacity)
         self.count: dict[Hashable, float] = {}
-        self.period = max(8 * capacity, 64)
+        if aging < 0:
+            raise ValueError(f"aging must be >= 0, got {aging}")
+        self.period = max(aging * capacity, 64) if aging else 0
 
     def touch(self, keys: Iterable[Hashable]) -> None:
         for k in keys:
             self.clock += 1
             self.last[k] = self.clock
             self.count[k] = self.count.get(k, 0.0) + 1.0
-            if self.clock % self.period == 0:
+            if self.period and self.clock % self.period == 0:
                 self.count = {key: c / 2 for key, c in self.count.items()}
 
     def victims(self, candidates: Sequence[Hashable], n: int) -> list[Hashable]:

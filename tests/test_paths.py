@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_edge0
 from mlx_edge0.expert_math import expert_glu
 from mlx_edge0.slots import SlotBuffers
-from mlx_edge0.hot import FrequencyPolicy, LRUPolicy, plan_fill
+from mlx_edge0.hot import LFU_AGING, FrequencyPolicy, LRUPolicy, plan_fill
 from mlx_edge0.staging import plan_staging
 from mlx_edge0.store import ExpertReadError
 from mlx_edge0.streaming import StreamingMoE
@@ -74,6 +74,20 @@ def test_frequency_policy_keeps_popular_experts_through_a_burst():
         p.touch([("a",), ("b",)])
     assert lru.victims([("hot",), ("a",), ("b",)], 1) == [("hot",)]
     assert lfu.victims([("hot",), ("a",), ("b",)], 1) == [("a",)]
+
+
+def test_frequency_counts_halve_every_aging_times_capacity_touches():
+    """Capacity 2, aging 40: counts halve at the 80th touch. A popular
+    expert touched 79 times then keeps 39.5 after one more (the 80th) touch of
+    another; with aging 0 it never halves. The runtime's default is LFU_AGING."""
+    aged, kept = FrequencyPolicy(2, aging=40), FrequencyPolicy(2, aging=0)
+    for p in (aged, kept):
+        p.touch([("hot",)] * 79 + [("new",)])
+    assert aged.count == {("hot",): 39.5, ("new",): 0.5}
+    assert kept.count == {("hot",): 79.0, ("new",): 1.0}
+    assert FrequencyPolicy(2).period == max(LFU_AGING * 2, 64)
+    with pytest.raises(ValueError, match="aging must be >= 0"):
+        FrequencyPolicy(2, aging=-1)
 
 
 # ------------------------------------------------------------ path identities

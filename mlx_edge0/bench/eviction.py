@@ -45,7 +45,7 @@ import bisect
 from dataclasses import asdict, dataclass
 from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
-from ..hot import POLICIES, LRUPolicy, plan_fill
+from ..hot import LFU_AGING, POLICIES, FrequencyPolicy, LRUPolicy, plan_fill
 from .locality import RoutingTrace
 
 Key = tuple[int, int]  # (layer, expert)
@@ -180,9 +180,15 @@ def make_policy(
     predicted: Optional[Sequence[Sequence[Key]]] = None,
     lookahead: int = 1,
     popularity: Optional[Mapping[Key, float]] = None,
+    lfu_aging: int = LFU_AGING,
 ):
     """The victim chooser called ``name`` (one of :data:`POLICY_NAMES`, or
-    :data:`POPULARITY` with ``popularity`` given)."""
+    :data:`POPULARITY` with ``popularity`` given); LFU's counts halve every
+    ``lfu_aging`` x ``capacity`` touches (0: never)."""
+
+    def base(base_name: str) -> LRUPolicy:
+        return FrequencyPolicy(capacity, lfu_aging) if base_name == "lfu" else POLICIES[base_name](capacity)
+
     if name == "min":
         return BeladyPolicy(calls)
     if name == POPULARITY:
@@ -190,10 +196,9 @@ def make_policy(
             raise ValueError("the popularity policy needs the experts' popularity")
         return PopularityPolicy(popularity)
     if name in POLICIES:
-        return POLICIES[name](capacity)
+        return base(name)
     if name in PREDICTION_AWARE:
-        base = POLICIES[name.removesuffix("+next")](capacity)
-        return PredictionAware(base, calls if predicted is None else predicted, lookahead)
+        return PredictionAware(base(name.removesuffix("+next")), calls if predicted is None else predicted, lookahead)
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
@@ -208,6 +213,7 @@ def simulate(
     permanent: AbstractSet[Key] = frozenset(),
     resident: Sequence[Key] = (),
     popularity: Optional[Mapping[Key, float]] = None,
+    lfu_aging: int = LFU_AGING,
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -224,6 +230,8 @@ def simulate(
         resident: further keys resident from the start (evictable), in
             the order their rows were filled.
         popularity: for :data:`POPULARITY`, each key's popularity.
+        lfu_aging: LFU's counts halve every ``lfu_aging`` x ``capacity``
+            touches (0: never); the runtime's is the default.
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
@@ -249,6 +257,7 @@ def simulate(
         None if predicted is None else call_keys(predicted),
         len(trace.layers) if lookahead is None else lookahead,
         popularity,
+        lfu_aging,
     )
     cached: dict[Key, int] = {k: row for row, k in enumerate(start)}
     free = list(range(len(cached), capacity))
