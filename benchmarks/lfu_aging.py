@@ -6,6 +6,10 @@ replays traces through the runtime's cache planner under several agings
 - recorded traces (``--trace``, RoutingTrace JSON as
   ``benchmarks/routing_locality.py --trace-out`` writes them), at cache
   sizes given as fractions of all experts;
+- bench runs (``--bench``, an ``edge0 bench`` results JSON): each run's
+  decode routing from the cache its decode began with, at the run's rows,
+  with its permanent bundles, beside the runtime's own hit rate (which also
+  knew the prompt's and warm-up's uses);
 - synthetic traces of the calibrated 35B's shape (``--synthetic`` lengths):
   40 layers x 256 experts, K=4, 1,092 rows (the 2 GiB cache of BENCHMARKS.md),
   Zipf popularity solved for 90% coverage 0.51, seeds 0-2.
@@ -13,7 +17,7 @@ replays traces through the runtime's cache planner under several agings
 Prints a table and writes JSON:
 
     python benchmarks/lfu_aging.py [--trace TRACE.json ...] [--fractions 0.125,0.25,0.5]
-        [--synthetic 256,1024] [--agings 2,8,32,128,0] [--out FILE.json]
+        [--bench RESULTS.json ...] [--synthetic 256,1024] [--agings 2,8,32,128,0] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -34,16 +38,39 @@ SHAPE = {"layers": 40, "experts": 256, "k": 4, "capacity": 1092, "coverage90": 0
 SEEDS = (0, 1, 2)
 
 
-def rates(trace: RoutingTrace, capacity: int, agings: list[int]) -> dict:
-    """LFU's hit rate at each aging, and MIN's."""
-    out = {f"lfu@{a}": simulate(trace, capacity, "lfu", lfu_aging=a).hit_rate for a in agings}
-    return out | {"min": simulate(trace, capacity, "min").hit_rate}
+def rates(trace: RoutingTrace, capacity: int, agings: list[int], **start) -> dict:
+    """LFU's hit rate at each aging, and MIN's (``start``: ``permanent`` and
+    ``resident`` keys, as :func:`~mlx_edge0.bench.eviction.simulate` takes)."""
+    out = {f"lfu@{a}": simulate(trace, capacity, "lfu", lfu_aging=a, **start).hit_rate for a in agings}
+    return out | {"min": simulate(trace, capacity, "min", **start).hit_rate}
+
+
+def bench_runs(path: Path) -> list[dict]:
+    """The runs of a bench results file that kept their routing and hot-cache start."""
+    runs = json.loads(path.read_text())["runs"]
+    return [r for r in runs if "routing" in r and "resident_keys" in r.get("eviction_replay", {})]
+
+
+def replay_run(path: Path, run: dict, agings: list[int]) -> dict:
+    """One bench run's decode from its start, and what the runtime served."""
+    replay = run["eviction_replay"]
+    trace = RoutingTrace(**run["routing"])
+    permanent = frozenset(tuple(k) for k in replay["permanent_keys"])
+    resident = [tuple(k) for k in replay["resident_keys"]]
+    hit_rate = rates(trace, replay["capacity"], agings, permanent=permanent, resident=resident)
+    c = run["decode_counters"]
+    runtime = c["hot_hits"] / (c["hot_hits"] + c["hot_misses"])
+    name = f"{path.name}: {run['arm']} round {run['round']}"
+    return {"trace": name, "tokens": len(trace.tokens), "capacity": replay["capacity"], "hit_rate": hit_rate} | {
+        "runtime_hit_rate": runtime
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", type=Path, action="append", default=[], help="a recorded RoutingTrace JSON")
     p.add_argument("--fractions", default="0.125,0.25,0.5", help="cache sizes for recorded traces")
+    p.add_argument("--bench", type=Path, action="append", default=[], help="an edge0 bench results JSON")
     p.add_argument("--synthetic", default="256,1024", help="synthetic trace lengths ('' for none)")
     p.add_argument("--agings", default="2,8,32,128,0", help="LFU agings to replay (0: counts never halve)")
     p.add_argument("--out", type=Path, help="write the results as JSON")
@@ -53,8 +80,12 @@ def main() -> None:
     traces = [RoutingTrace.load(path) for path in a.trace]
     fractions = [float(f) for f in a.fractions.split(",")]
     rows = []
-    jobs = len(traces) * len(fractions) + len(lengths) * len(SEEDS)
+    runs = [(path, run) for path in a.bench for run in bench_runs(path)]
+    jobs = len(traces) * len(fractions) + len(runs) + len(lengths) * len(SEEDS)
     with bar(jobs, "replays", unit="trace") as b:
+        for path, run in runs:
+            rows.append(replay_run(path, run, agings))
+            b.update(1)
         for path, trace in zip(a.trace, traces):
             total = len(trace.layers) * trace.num_experts
             for f in fractions:
@@ -76,14 +107,16 @@ def main() -> None:
                 b.update(1)
     names = [f"lfu@{x}" for x in agings] + ["min"]
     labels = [("never halves" if x == 0 else f"aging {x}") + (" (runtime)" if x == LFU_AGING else "") for x in agings]
-    print("\n| trace | tokens | rows | " + " | ".join(labels) + " | MIN |")
-    print("|" + "---|" * (len(names) + 3))
+    print("\n| trace | tokens | rows | " + " | ".join(labels) + " | MIN | runtime served |")
+    print("|" + "---|" * (len(names) + 4))
     groups: dict[tuple, list[dict]] = {}
     for r in rows:  # synthetic seeds: one row, medians
         key = (r["trace"] if "seed" not in r else "synthetic 35B shape (median of 3 seeds)", r["tokens"], r["capacity"])
         groups.setdefault(key, []).append(r)
     for (name, tokens, capacity), group in groups.items():
         cells = [f"{statistics.median(g['hit_rate'][n] for g in group):.3f}" for n in names]
+        served = [g["runtime_hit_rate"] for g in group if "runtime_hit_rate" in g]
+        cells.append(f"{statistics.median(served):.3f}" if served else "–")
         print(f"| {name} | {tokens} | {capacity} | " + " | ".join(cells) + " |")
     if a.out:
         a.out.write_text(json.dumps({"agings": agings, "shape": SHAPE, "runs": rows}, indent=2) + "\n")
