@@ -241,7 +241,10 @@ def _loaded_prints(model, layers) -> dict[str, bytes]:
 
 def test_loads_never_mix_two_conversions_while_convert_force_replaces_out(tmp_path, tokenizer_dir):
     """One process converts two different sources into OUT in turn (--force);
-    this one loads OUT over and over: every load holds one source, whole."""
+    this one loads OUT over and over: every load holds one source, whole. A
+    load that saw a replacement in every one of its attempts (a busy machine
+    slows loads more than the loop's swaps) must say so, as the clear
+    CheckpointError, and nothing else may fail."""
     layers = (1, 2, 3)
     sources = []
     for seed in (0, 1):
@@ -262,6 +265,10 @@ def test_loads_never_mix_two_conversions_while_convert_force_replaces_out(tmp_pa
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 model = mlx_edge0.load_model(out, cache_gib=0)
+            except CheckpointError as e:
+                if "was replaced during each of" not in str(e):
+                    failed.append(f"CheckpointError: {e}")
+                continue
             except Exception as e:  # noqa: BLE001 - counted and reported below
                 failed.append(f"{type(e).__name__}: {e}")
                 continue
