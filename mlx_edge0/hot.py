@@ -11,12 +11,14 @@ recency) is the default because it measured a higher hit rate than LRU on the
 routing traces in BENCHMARKS.md: MoE routing has persistently popular experts
 per layer, and pure recency evicts them during a burst of rare ones. LRU stays
 available (``hot_policy="lru"``) for comparison. Permanent bundles (:meth:`HotCache.add_permanent`:
-with the prerouter, the layers no owner predicts) are never a victim.
+with the prerouter, the layers no owner predicts) are never a victim. A prompt
+read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_experts`),
+copied from the rows it read, so the decode that follows starts from them.
 """
 
 from __future__ import annotations
 
-from typing import AbstractSet, Hashable, Iterable, Optional, Sequence
+from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -43,8 +45,12 @@ class LRUPolicy:
     def forget(self, key: Hashable) -> None:
         self.last.pop(key, None)
 
+    def priority(self, key: Hashable):
+        """How much the policy wants ``key`` kept: victims are the lowest."""
+        return self.last.get(key, 0)
+
     def victims(self, candidates: Sequence[Hashable], n: int) -> list[Hashable]:
-        return sorted(candidates, key=lambda k: self.last.get(k, 0))[:n]
+        return sorted(candidates, key=self.priority)[:n]
 
 
 class FrequencyPolicy(LRUPolicy):
@@ -70,8 +76,8 @@ class FrequencyPolicy(LRUPolicy):
             if self.period and self.clock % self.period == 0:
                 self.count = {key: c / 2 for key, c in self.count.items()}
 
-    def victims(self, candidates: Sequence[Hashable], n: int) -> list[Hashable]:
-        return sorted(candidates, key=lambda k: (self.count.get(k, 0.0), self.last.get(k, 0)))[:n]
+    def priority(self, key: Hashable):
+        return self.count.get(key, 0.0), self.last.get(key, 0)
 
 
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
@@ -156,6 +162,35 @@ class HotCache:
                 self.buffers.copy_row(source, slot_of[e], row)
             self.row_of.update(placed)
         self.policy.touch([(layer, int(e)) for e in used])
+
+    def copy_prompt_experts(
+        self, layer: int, routed: Sequence[int], source: SlotBuffers, row_of: Mapping[int, int]
+    ) -> int:
+        """A prompt chunk read ``layer`` whole into ``source`` (expert -> row
+        ``row_of``) and routed ``routed`` (every routing, repeats included):
+        count the uses, then copy the layer's experts the policy now ranks
+        above what rows hold into free rows or those rows, best first. A
+        decode after a long prompt then starts from the prompt's experts, not
+        from an empty cache, and each copy is a memcpy, not a read.
+        Returns the bundles copied."""
+        keys = [(layer, int(e)) for e in routed]
+        self.policy.touch(keys)
+        wanted = [k for k in dict.fromkeys(keys) if k not in self.row_of and k[1] in row_of]
+        wanted = sorted(wanted, key=self.policy.priority, reverse=True)[: self.capacity]
+        placed = dict(zip(wanted, self.free))
+        self.free = self.free[len(placed) :]
+        rest = wanted[len(placed) :]
+        candidates = [k for k in self.row_of if k not in self.permanent] if rest else []
+        for k, victim in zip(rest, self.policy.victims(candidates, len(rest))):
+            if self.policy.priority(victim) >= self.policy.priority(k):
+                break  # victims only rank higher from here on
+            placed[k] = self.row_of.pop(victim)
+            self.policy.forget(victim)
+        for (_, e), row in placed.items():
+            self.buffers.copy_row(source, row_of[e], row)
+        self.row_of.update(placed)
+        self.store.telemetry.current.prompt_copied += len(placed)
+        return len(placed)
 
     def add_permanent(self, layer: int, experts: Sequence[int]) -> None:
         """Read ``experts`` of ``layer`` into rows now and never evict them: for

@@ -146,11 +146,17 @@ class StagedPath:
 
 
 class WholeLayerPath:
+    """Prompt chunks. With a hot cache, the layer's most-routed experts are
+    copied into it from the whole-layer rows (:meth:`HotCache.copy_prompt_experts`):
+    a decode after a long prompt then starts from them, not from an empty
+    cache, for a memcpy instead of a read."""
+
     name = "whole-layer"
 
-    def __init__(self, loader: WholeLayerLoader, compute_dtype: Optional[mx.Dtype]):
+    def __init__(self, loader: WholeLayerLoader, compute_dtype: Optional[mx.Dtype], hot: Optional[HotCache] = None):
         self.loader = loader
         self.compute_dtype = compute_dtype
+        self.hot = hot
 
     def begin(self, layer: int) -> None:
         self.loader.start(layer)
@@ -159,5 +165,7 @@ class WholeLayerPath:
         # Compute everything up to this router while this layer's read (started
         # by the previous layer) lands; then start the next layer's read.
         mx.eval(inds)
-        weights = self.loader.take(layer).with_scales_dtype(self.compute_dtype)
-        return expert_glu(x, self.loader.rows(inds), weights)
+        rows = self.loader.take(layer)
+        if self.hot is not None:
+            self.hot.copy_prompt_experts(layer, np.array(inds).ravel(), rows, self.loader.row_of_expert)
+        return expert_glu(x, self.loader.rows(inds), rows.weights().with_scales_dtype(self.compute_dtype))

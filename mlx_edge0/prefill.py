@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .expert_math import ExpertWeights
 from .slots import SlotBuffers
 from .store import ExpertStore, ReadBatch
 
@@ -48,6 +47,7 @@ class WholeLayerLoader:
         row_of = np.zeros(n, np.uint32)
         row_of[self.experts] = np.arange(len(self.experts), dtype=np.uint32)
         self.row_of = None if len(self.experts) == n else mx.array(row_of)
+        self.row_of_expert = {e: row for row, e in enumerate(self.experts)}  # a taken layer's rows
         self.drop_pages = drop_pages
         self.scales_dtype = scales_dtype
         self.next_layer = dict(zip(moe_layers, list(moe_layers[1:]) + [None]))
@@ -66,8 +66,8 @@ class WholeLayerLoader:
         reads = self.store.submit(layer, self.experts, range(n), buffers, drop_pages=self.drop_pages)
         self.pending[layer] = (buffers, reads)
 
-    def take(self, layer: int) -> ExpertWeights:
-        """The whole layer (waiting for its reads); starts the next layer's
+    def take(self, layer: int) -> SlotBuffers:
+        """The whole layer's rows (waiting for its reads); starts the next layer's
         read. A failed read drops the read-ahead too: the forward is over, and
         the next one must read the files as they are then."""
         self.start(layer)
@@ -79,7 +79,7 @@ class WholeLayerLoader:
             self.clear()
             raise
         self.store.telemetry.current.whole_layer_loads += 1
-        return buffers.weights()
+        return buffers
 
     def rows(self, inds: mx.array) -> mx.array:
         """The rows of a taken layer that hold routed experts ``inds``."""

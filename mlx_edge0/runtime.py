@@ -160,7 +160,7 @@ class StreamingRuntime:
             if options.staged
             else self.decode_fallback
         )
-        self.whole_layer = WholeLayerPath(self.loader, dtype)
+        self.whole_layer = WholeLayerPath(self.loader, dtype, self.hot)
         self.first_layer = layers[0]
         self.prerouting: Optional[Prerouting] = None  # made by ``attach``
         # Set inside ``training_forward``: the expert source of the

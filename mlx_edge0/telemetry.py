@@ -34,6 +34,8 @@ class Stats:
         staged_fallbacks: staged-path calls whose routed set did not fit the
             layer's staging buffer (computed by the hot or exact path).
         whole_layer_loads: layers read whole for a prompt chunk.
+        prompt_copied: expert bundles of those whole layers copied into the
+            hot cache (no read: :meth:`mlx_edge0.hot.HotCache.copy_prompt_experts`).
         prerouted: layer calls routed by the prerouter's prediction and
             computed from the staging buffer filled with exactly that routing.
         read_errors: read batches that failed (raised in the caller).
@@ -54,6 +56,7 @@ class Stats:
     staged_read: int = 0
     staged_fallbacks: int = 0
     whole_layer_loads: int = 0
+    prompt_copied: int = 0
     prerouted: int = 0
     read_errors: int = 0
 
@@ -132,7 +135,7 @@ def format_stats(stats: dict) -> str:
         f"{stats['reads']} reads ({stats['whole_layer_loads']} whole layers), {stats['read_errors']} errors",
         f"  exposed wait    {stats['exposed_wait_ms']:.1f} ms in all, {last['exposed_wait_ms']:.1f} ms "
         "on the last step",
-        f"  hot cache       {hits} hits, {misses} misses{hit_rate}",
+        f"  hot cache       {hits} hits, {misses} misses{hit_rate}, {stats['prompt_copied']} copied from prompts",
         f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
         f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",
         f"  prerouted       {stats['prerouted']} layer calls, {stats['prerouted_wait_ms']:.1f} ms exposed wait, "

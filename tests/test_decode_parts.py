@@ -112,6 +112,33 @@ def test_permanent_experts_are_read_once_and_never_evicted():
         hot.hot.add_permanent(2, [0])
 
 
+def test_a_prompt_keeps_its_most_routed_experts_without_reading_them():
+    """:meth:`HotCache.copy_prompt_experts`: the whole-layer path copies a prompt's
+    experts into the cache best first (LFU: most routed, ties by recency), and
+    replaces a resident only where the policy ranks the newcomer higher; the
+    decode then computes from the copies without a read."""
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=3)
+    whole = WholeLayerPath(WholeLayerLoader(store, LAYERS, None), None, hot.hot)
+    prompt = mx.array([[[3, 1], [3, 5], [3, 1], [6, 3], [1, 7]]], mx.uint32)  # 3: 4 uses, 1: 3, 5/6/7: 1
+    x = _x(store, 1, 5)
+    whole.begin(0)
+    assert mx.array_equal(whole.experts(0, x, prompt), expert_glu(x, prompt, store.weights(0))).item()
+    assert set(hot.hot.row_of) == {(0, 3), (0, 1), (0, 7)}  # 7: the latest of the single uses
+    whole.begin(1)
+    whole.experts(1, _x(store, 1, 1), mx.array([[[0, 2]]], mx.uint32))
+    # one use each, newer than (0, 7)'s: (1, 2), the newest, takes its row; (0, 1) ranks above (1, 0)
+    assert set(hot.hot.row_of) == {(0, 3), (0, 1), (1, 2)}
+    assert store.telemetry.current.prompt_copied == 4
+    reads = list(store.submitted)
+    assert all(len(ids) == store.geometry.num_experts for _, ids, _ in reads)  # whole layers only
+    store.telemetry.begin_step(1)
+    x, inds = _x(store, 1, 1, seed=3), mx.array([[[1, 3]]], mx.uint32)
+    assert mx.array_equal(hot.experts(0, x, inds), expert_glu(x, inds, store.weights(0))).item()
+    s = store.telemetry.current
+    assert (s.hot_hits, s.hot_misses) == (2, 0) and store.submitted == reads
+
+
 def test_permanent_bundles_fit_in_a_small_share_or_a_cache_of_every_expert():
     assert permanent_fits(64, 512, 4096) and not permanent_fits(65, 512, 4096)
     assert permanent_fits(256, 768, 768)  # the cache holds every expert: nothing is displaced

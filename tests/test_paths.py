@@ -35,6 +35,7 @@ PATHS = {
     "staged": dict(cache_gib=0, staged=True, prefill="exact"),
     "staged+hot": dict(cache_gib=20 * TINY_BUNDLE_GIB, staged=True, prefill="exact"),
     "whole-layer": dict(cache_gib=0, staged=False, prefill="whole-layer"),
+    "whole-layer+hot": dict(cache_gib=40 * TINY_BUNDLE_GIB, staged=False, prefill="whole-layer"),
 }
 
 
@@ -127,8 +128,10 @@ def test_greedy_64_tokens_identical_on_every_path(converted, family):
         if name.startswith("staged"):
             assert stats["staged_kept"] + stats["slot_rewrites"] > 0
             assert stats["staged_fallbacks"] == 0
-        if name == "whole-layer":
+        if name.startswith("whole-layer"):
             assert stats["whole_layer_loads"] == len(_blocks(model))
+        if name == "whole-layer+hot":  # the decode computes from the prompt's kept copies
+            assert stats["prompt_copied"] > 0 and stats["hot_hits"] > 0
 
 
 @pytest.mark.parametrize("name", ["hot", "staged+hot", "whole-layer"])
