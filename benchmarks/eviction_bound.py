@@ -33,6 +33,7 @@ from pathlib import Path
 
 from mlx_edge0.bench.eviction import POPULARITY, ceiling, simulate
 from mlx_edge0.bench.locality import LocalitySummary
+from mlx_edge0.bench.synthetic_routing import CALIBRATED_35B_2GIB as SHAPE
 from mlx_edge0.bench.synthetic_routing import calibrate, generate_with_popularity
 from mlx_edge0.progress import bar
 
@@ -81,12 +82,14 @@ def table(runs: list[dict], token_counts: list[int]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=40, help="MoE layers sharing the cache")
-    p.add_argument("--experts", type=int, default=256, help="experts per layer (E)")
-    p.add_argument("--k", type=int, default=4, help="routed experts per token (K)")
-    p.add_argument("--capacity", type=int, default=1092, help="cache rows shared by all layers")
-    p.add_argument("--coverage90", type=float, default=0.51, help="share of experts covering 90%% of routings")
-    p.add_argument("--reuse", type=float, default=0.107, help="adjacent-token reuse to calibrate for")
+    p.add_argument("--layers", type=int, default=SHAPE.layers, help="MoE layers sharing the cache")
+    p.add_argument("--experts", type=int, default=SHAPE.experts, help="experts per layer (E)")
+    p.add_argument("--k", type=int, default=SHAPE.k, help="routed experts per token (K)")
+    p.add_argument("--capacity", type=int, default=SHAPE.capacity, help="cache rows shared by all layers")
+    p.add_argument(
+        "--coverage90", type=float, default=SHAPE.coverage90, help="share of experts covering 90%% of routings"
+    )
+    p.add_argument("--reuse", type=float, default=SHAPE.reuse, help="adjacent-token reuse to calibrate for")
     p.add_argument("--tokens", default="24,64,256,1024", help="trace lengths")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", type=Path, help="write the results as JSON")

@@ -25,16 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 from mlx_edge0.bench.eviction import simulate
 from mlx_edge0.bench.locality import RoutingTrace
-from mlx_edge0.bench.synthetic_routing import calibrate, generate
+from mlx_edge0.bench.synthetic_routing import CALIBRATED_35B_2GIB, calibrate, generate
 from mlx_edge0.hot import LFU_AGING
 from mlx_edge0.progress import bar
 
-# the calibrated 35B's shape and its 2 GiB cache (BENCHMARKS.md, "A 2 GiB hot cache")
-SHAPE = {"layers": 40, "experts": 256, "k": 4, "capacity": 1092, "coverage90": 0.51, "reuse": 0.107}
+SHAPE = CALIBRATED_35B_2GIB
 SEEDS = (0, 1, 2)
 
 
@@ -95,14 +95,14 @@ def main() -> None:
                     {"trace": str(path), "tokens": len(trace.tokens), "capacity": capacity, "hit_rate": hit_rate}
                 )
                 b.update(1)
-        knobs = calibrate(SHAPE["experts"], SHAPE["k"], SHAPE["coverage90"], SHAPE["reuse"])
+        knobs = calibrate(SHAPE.experts, SHAPE.k, SHAPE.coverage90, SHAPE.reuse)
         for tokens in lengths:
             for seed in SEEDS:
-                trace = generate(tuple(range(SHAPE["layers"])), SHAPE["experts"], SHAPE["k"], tokens, knobs, seed)
-                hit_rate = rates(trace, SHAPE["capacity"], agings)
+                trace = generate(tuple(range(SHAPE.layers)), SHAPE.experts, SHAPE.k, tokens, knobs, seed)
+                hit_rate = rates(trace, SHAPE.capacity, agings)
                 name = f"synthetic 35B shape, seed {seed}"
                 rows.append(
-                    {"trace": name, "tokens": tokens, "seed": seed, "capacity": SHAPE["capacity"], "hit_rate": hit_rate}
+                    {"trace": name, "tokens": tokens, "seed": seed, "capacity": SHAPE.capacity, "hit_rate": hit_rate}
                 )
                 b.update(1)
     names = [f"lfu@{x}" for x in agings] + ["min"]
@@ -119,7 +119,7 @@ def main() -> None:
         cells.append(f"{statistics.median(served):.3f}" if served else "–")
         print(f"| {name} | {tokens} | {capacity} | " + " | ".join(cells) + " |")
     if a.out:
-        a.out.write_text(json.dumps({"agings": agings, "shape": SHAPE, "runs": rows}, indent=2) + "\n")
+        a.out.write_text(json.dumps({"agings": agings, "shape": asdict(SHAPE), "runs": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

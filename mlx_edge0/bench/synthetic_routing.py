@@ -40,6 +40,23 @@ LOCALITIES = ("uniform", "calibrated")
 CALIBRATED_COVERAGE90 = 0.51
 CALIBRATED_REUSE = 0.25
 CALIBRATION_TOKENS = 800
+
+
+@dataclass(frozen=True)
+class TraceShape:
+    """A trace shape and the cache it is replayed through."""
+
+    layers: int
+    experts: int
+    k: int
+    capacity: int  # cache rows shared by all layers
+    coverage90: float
+    reuse: float
+
+
+# The calibrated 35B's K=4 trace and its 2 GiB hot cache (BENCHMARKS.md, "A 2 GiB hot
+# cache"): held-out coverage90 0.51 and reuse 0.107, 1,092 rows.
+CALIBRATED_35B_2GIB = TraceShape(layers=40, experts=256, k=4, capacity=1092, coverage90=0.51, reuse=0.107)
 BISECTION_STEPS = 14
 
 

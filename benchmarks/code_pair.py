@@ -1,0 +1,133 @@
+"""One edge0 arm at two versions of the code, rounds alternated.
+
+Where a change has no option to turn it off, the before and after of it are
+two source trees (``git worktree add $OLD COMMIT``, or a ``git archive`` of
+it): this runs ``edge0 bench run --rounds 1`` once per tree per round, in the
+order old, new, new, old, ... (each tree put first on ``PYTHONPATH``, so the
+bench's child process imports it), and prints the medians side by side:
+
+    python benchmarks/code_pair.py --old $OLD --new $NEW --rounds 3 --out DIR -- \\
+        --edge0 $DATA/q35cal-edge0 --arms edge0-hot+bypass/k4 --memory-cap 12 --read-mbps 144 \\
+        --cache cold --prompt-tokens 64 --decode-tokens 16
+
+Each run's results are ``DIR/{old,new}-r{N}.json``; the table is also
+``DIR/summary.json``. Runs already in DIR are kept (a stopped pair resumes).
+The runs start in the tree they import, so give paths in the bench options
+absolute (``$DATA`` is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlx_edge0.progress import bar
+
+COLUMNS = {  # name -> (heading, value of one run record)
+    "decode_tok_s": ("decode tok/s", lambda r: r["decode_tok_s"]),
+    "ttft_s": ("TTFT s", lambda r: r["ttft_s"]),
+    "device_mb_per_token": ("device MB/token", lambda r: r["device_bytes_per_token"] / 1e6),
+    "hot_hit_rate": (
+        "hot hit rate",
+        lambda r: (
+            r["counters_per_token"]["hot_hits"]
+            / (r["counters_per_token"]["hot_hits"] + r["counters_per_token"]["hot_misses"])
+        ),
+    ),
+    "prompt_copied": ("bundles copied from the prompt", lambda r: r["prefill_counters"].get("prompt_copied", 0)),
+    "resident_at_decode": (
+        "bundles resident at the decode's start",
+        lambda r: len(r["eviction_replay"]["resident_keys"]),
+    ),
+    "min_from_start": ("MIN from the decode's start", lambda r: r["eviction_replay"]["from_start"]["hit_rate"]["min"]),
+    "exposed_wait_ms": ("exposed wait ms/step", lambda r: r["counters_per_token"]["exposed_wait_ms"]),
+}
+
+
+def order(rounds: int) -> list[tuple[int, str]]:
+    """(round, tree) in ABBA order, so neither tree always runs first."""
+    pairs = []
+    for r in range(1, rounds + 1):
+        trees = ("old", "new") if r % 2 else ("new", "old")
+        pairs += [(r, t) for t in trees]
+    return pairs
+
+
+def run_one(tree: Path, bench_args: list[str], out: Path) -> None:
+    """One bench run importing ``tree``: first on ``PYTHONPATH``, and the
+    working directory, since ``python -m`` (the bench's child) puts the
+    working directory before it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    entry = "from mlx_edge0.cli import main; main()"  # the `edge0` command, from the tree on PYTHONPATH
+    cmd = [sys.executable, "-c", entry, "bench", "run", *bench_args, "--rounds", "1", "--out", str(out)]
+    subprocess.run(cmd, env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL)
+
+
+def value(record: dict, name: str):
+    try:
+        return COLUMNS[name][1](record)
+    except (KeyError, TypeError):
+        return None
+
+
+def summarize(out: Path, rounds: int) -> dict:
+    table = {}
+    for tree in ("old", "new"):
+        runs = [json.loads((out / f"{tree}-r{r}.json").read_text())["runs"][0] for r in range(1, rounds + 1)]
+        table[tree] = {}
+        for name in COLUMNS:
+            values = [v for v in (value(run, name) for run in runs) if v is not None]
+            table[tree][name] = (
+                {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+            )
+    return table
+
+
+def print_table(table: dict) -> None:
+    print("| code | " + " | ".join(h for h, _ in COLUMNS.values()) + " |")
+    print("|---" * (len(COLUMNS) + 1) + "|")
+    for tree, row in table.items():
+        cells = []
+        for name in COLUMNS:
+            v = row[name]
+            cells.append("-" if v is None else f"{v['median']:.3f} ({v['min']:.3f}–{v['max']:.3f})")
+        print(f"| {tree} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", type=Path, required=True, help="Source tree of the code before.")
+    ap.add_argument("--new", type=Path, required=True, help="Source tree of the code after.")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, required=True, help="Directory for the runs and summary.json.")
+    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `edge0 bench run` options (one arm).")
+    a = ap.parse_args()
+    a.old, a.new, a.out = a.old.resolve(), a.new.resolve(), a.out.resolve()
+    bench_args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
+    for tree in (a.old, a.new):
+        if not (tree / "mlx_edge0" / "__init__.py").is_file():
+            raise SystemExit(f"{tree} is not a source tree of mlx-edge0 (no mlx_edge0/__init__.py)")
+    a.out.mkdir(parents=True, exist_ok=True)
+    todo = [(r, t) for r, t in order(a.rounds) if not (a.out / f"{t}-r{r}.json").is_file()]
+    started = time.perf_counter()
+    with bar(len(todo), "code pair", unit="run") as progress:
+        for r, tree in todo:
+            progress.set_postfix_str(f"round {r}, {tree}")
+            run_one(a.old if tree == "old" else a.new, bench_args, a.out / f"{tree}-r{r}.json")
+            progress.update()
+    table = summarize(a.out, a.rounds)
+    (a.out / "summary.json").write_text(
+        json.dumps({"old": str(a.old), "new": str(a.new), "bench_args": bench_args, "table": table}, indent=1) + "\n"
+    )
+    print_table(table)
+    print(f"{len(todo)} runs in {time.perf_counter() - started:.0f} s; results: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
