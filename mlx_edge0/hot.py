@@ -45,6 +45,14 @@ class LRUPolicy:
     def forget(self, key: Hashable) -> None:
         self.last.pop(key, None)
 
+    def add_uses(self, uses: Mapping[Hashable, int]) -> None:
+        """Count ``uses`` as that many touches of each key, in its order,
+        without a step per use (a long prompt routes millions of times); a
+        halving that falls within a key's uses halves all of them."""
+        for k, n in uses.items():
+            self.clock += n
+            self.last[k] = self.clock
+
     def priority(self, key: Hashable):
         """How much the policy wants ``key`` kept: victims are the lowest."""
         return self.last.get(key, 0)
@@ -75,6 +83,15 @@ class FrequencyPolicy(LRUPolicy):
             self.count[k] = self.count.get(k, 0.0) + 1.0
             if self.period and self.clock % self.period == 0:
                 self.count = {key: c / 2 for key, c in self.count.items()}
+
+    def add_uses(self, uses: Mapping[Hashable, int]) -> None:
+        for k, n in uses.items():
+            halvings = (self.clock + n) // self.period - self.clock // self.period if self.period else 0
+            self.clock += n
+            self.last[k] = self.clock
+            self.count[k] = self.count.get(k, 0.0) + n
+            if halvings:
+                self.count = {key: c / 2**halvings for key, c in self.count.items()}
 
     def priority(self, key: Hashable):
         return self.count.get(key, 0.0), self.last.get(key, 0)
@@ -168,14 +185,16 @@ class HotCache:
     ) -> int:
         """A prompt chunk read ``layer`` whole into ``source`` (expert -> row
         ``row_of``) and routed ``routed`` (every routing, repeats included):
-        count the uses, then copy the layer's experts the policy now ranks
+        count the uses (ties in recency go to the most used), then copy the layer's experts the policy now ranks
         above what rows hold into free rows or those rows, best first. A
         decode after a long prompt then starts from the prompt's experts, not
         from an empty cache, and each copy is a memcpy, not a read.
         Returns the bundles copied."""
-        keys = [(layer, int(e)) for e in routed]
-        self.policy.touch(keys)
-        wanted = [k for k in dict.fromkeys(keys) if k not in self.row_of and k[1] in row_of]
+        ids, counts = np.unique(np.asarray(routed), return_counts=True)
+        order = np.lexsort((ids, counts))  # fewest uses first: the most used are the most recent
+        uses = {(layer, int(ids[i])): int(counts[i]) for i in order}
+        self.policy.add_uses(uses)
+        wanted = [k for k in uses if k not in self.row_of and k[1] in row_of]
         wanted = sorted(wanted, key=self.policy.priority, reverse=True)[: self.capacity]
         placed = dict(zip(wanted, self.free))
         self.free = self.free[len(placed) :]

@@ -124,7 +124,7 @@ def test_a_prompt_keeps_its_most_routed_experts_without_reading_them():
     x = _x(store, 1, 5)
     whole.begin(0)
     assert mx.array_equal(whole.experts(0, x, prompt), expert_glu(x, prompt, store.weights(0))).item()
-    assert set(hot.hot.row_of) == {(0, 3), (0, 1), (0, 7)}  # 7: the latest of the single uses
+    assert set(hot.hot.row_of) == {(0, 3), (0, 1), (0, 7)}  # 7: the highest id of the single uses
     whole.begin(1)
     whole.experts(1, _x(store, 1, 1), mx.array([[[0, 2]]], mx.uint32))
     # one use each, newer than (0, 7)'s: (1, 2), the newest, takes its row; (0, 1) ranks above (1, 0)

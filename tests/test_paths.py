@@ -91,6 +91,20 @@ def test_frequency_counts_halve_every_aging_times_capacity_touches():
         FrequencyPolicy(2, aging=-1)
 
 
+def test_counted_uses_equal_their_touches():
+    """``add_uses`` (a prompt's routings, counted) leaves the counts and the
+    victim order that touching each use would, the halving included."""
+    for aging in (0, 40):
+        touched, counted = FrequencyPolicy(2, aging=aging), FrequencyPolicy(2, aging=aging)
+        touched.touch([("b",)] + [("a",)] * 3 + [("c",)] * 76)
+        counted.add_uses({("b",): 1, ("a",): 3, ("c",): 76})
+        assert touched.count == counted.count and touched.clock == counted.clock == 80
+        assert counted.victims([("a",), ("b",), ("c",)], 3) == touched.victims([("a",), ("b",), ("c",)], 3)
+    lru = LRUPolicy(2)
+    lru.add_uses({("a",): 5, ("b",): 1})
+    assert lru.victims([("a",), ("b",)], 1) == [("a",)]  # b's use comes last
+
+
 # ------------------------------------------------------------ path identities
 
 

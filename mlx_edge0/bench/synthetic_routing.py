@@ -40,6 +40,7 @@ LOCALITIES = ("uniform", "calibrated")
 CALIBRATED_COVERAGE90 = 0.51
 CALIBRATED_REUSE = 0.25
 CALIBRATION_TOKENS = 800
+BISECTION_STEPS = 14
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,6 @@ class TraceShape:
 # The calibrated 35B's K=4 trace and its 2 GiB hot cache (BENCHMARKS.md, "A 2 GiB hot
 # cache"): held-out coverage90 0.51 and reuse 0.107, 1,092 rows.
 CALIBRATED_35B_2GIB = TraceShape(layers=40, experts=256, k=4, capacity=1092, coverage90=0.51, reuse=0.107)
-BISECTION_STEPS = 14
 
 
 @dataclass(frozen=True)
