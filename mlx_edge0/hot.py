@@ -47,8 +47,7 @@ class LRUPolicy:
 
     def add_uses(self, uses: Mapping[Hashable, int]) -> None:
         """Count ``uses`` as that many touches of each key, in its order,
-        without a step per use (a long prompt routes millions of times); a
-        halving that falls within a key's uses halves all of them."""
+        without a step per use (a long prompt routes millions of times)."""
         for k, n in uses.items():
             self.clock += n
             self.last[k] = self.clock
@@ -85,6 +84,8 @@ class FrequencyPolicy(LRUPolicy):
                 self.count = {key: c / 2 for key, c in self.count.items()}
 
     def add_uses(self, uses: Mapping[Hashable, int]) -> None:
+        """As :meth:`LRUPolicy.add_uses`; a halving that falls within a key's
+        uses halves every count, that key's included."""
         for k, n in uses.items():
             halvings = (self.clock + n) // self.period - self.clock // self.period if self.period else 0
             self.clock += n
@@ -185,10 +186,11 @@ class HotCache:
     ) -> int:
         """A prompt chunk read ``layer`` whole into ``source`` (expert -> row
         ``row_of``) and routed ``routed`` (every routing, repeats included):
-        count the uses (ties in recency go to the most used), then copy the layer's experts the policy now ranks
-        above what rows hold into free rows or those rows, best first. A
-        decode after a long prompt then starts from the prompt's experts, not
-        from an empty cache, and each copy is a memcpy, not a read.
+        count the uses (ties in recency go to the most used), then copy the
+        layer's experts the policy now ranks above what rows hold into free
+        rows or those rows, best first. A decode after a long prompt then
+        starts from the prompt's experts, not from an empty cache, and each
+        copy is a memcpy, not a read.
         Returns the bundles copied."""
         ids, counts = np.unique(np.asarray(routed), return_counts=True)
         order = np.lexsort((ids, counts))  # fewest uses first: the most used are the most recent
