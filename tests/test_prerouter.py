@@ -412,16 +412,20 @@ def test_an_auto_window_computes_the_same_numbers_and_grows_after_steps_that_wai
     assert auto.stats()["staged_window"] == 3 and auto.stats()["resident_bytes"]["staged"] * 5 == largest * 3
     assert rt.staged_nbytes(largest=True) == largest
     stalled = Stats(steps=1, prerouted=5, prerouted_wait_s=0.2, step_s=1.0)  # waited 20% of the step
-    depths = []  # (before, after) each forced step close
+    depths = []  # the window's depth after each token is out
 
     def stall(step: int) -> None:
         if step in (5, 11, 17):
-            before = len(rt.window)
-            depths.append((before, rt.adapt_window(stalled)))
+            rt.adapt_window(stalled)
+        depths.append(len(rt.window))
 
     got = _greedy_logprobs(auto, ids, 24, between=stall)
     assert got[0] == want[0] and mx.array_equal(got[1], want[1]).item()
-    assert depths == [(3, 5), (5, 5), (5, 5)] and len(rt.window) == 5
+    # A step that really waited over 5% of its time (a loaded machine) grows
+    # the window before the forced stall does: it is 3 or 5 until token 5,
+    # then 5 (3 doubled, capped at one buffer per prerouted layer), and never shrinks.
+    assert depths == sorted(depths) and set(depths[:5]) <= {3, 5} and depths[5:] == [5] * 19
+    assert len(rt.window) == 5
     assert rt.prerouting.window is rt.window  # one list of the window's buffers, grown in one place
     assert auto.stats()["staged_window"] == 5 and auto.stats()["resident_bytes"]["staged"] == largest
     assert rt.staged_nbytes(largest=True) == largest
