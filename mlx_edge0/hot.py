@@ -18,13 +18,14 @@ copied from the rows it read, so the decode that follows starts from them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .slots import SlotBuffers
-from .store import ExpertStore
+from .store import ExpertStore, ReadBatch
 
 Key = tuple[int, int]  # (layer, expert)
 LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touches
@@ -234,6 +235,17 @@ class HotCache:
     def fetch(self, layer: int, ids: Sequence[int]) -> Optional[np.ndarray]:
         """Make experts ``ids`` of ``layer`` resident (reading misses now) and
         return their rows, or None when the set does not fit the cache."""
+        pending = self.start_fetch(layer, ids)
+        if pending is None:
+            return None
+        self.finish_fetch(pending)
+        return pending.rows
+
+    def start_fetch(self, layer: int, ids: Sequence[int]) -> Optional["PendingFetch"]:
+        """Rows for experts ``ids`` of ``layer``, the misses' reads started
+        and not waited for (:meth:`finish_fetch` waits), so the caller can
+        compute from the hits while they land; None when the set does not fit
+        the cache. Nothing else may use the cache until :meth:`finish_fetch`."""
         if len(ids) > self.capacity:
             return None
         keys = [(layer, int(e)) for e in ids]
@@ -241,15 +253,46 @@ class HotCache:
         placed = self._make_room(keys)
         stats.hot_hits += len(keys) - len(placed)
         stats.hot_misses += len(placed)
+        reads = None
         if placed:
             misses = list(placed)
             try:
-                self.store.submit(
+                reads = self.store.submit(
                     layer, [e for _, e in misses], [placed[k] for k in misses], self.buffers, urgent=True
-                ).wait()
+                )
             except BaseException:
-                self.free.extend(placed.values())  # rows hold garbage now: free, not resident
+                self.free.extend(placed.values())
                 raise
-            self.row_of.update(placed)
-        self.policy.touch(keys)
-        return np.array([self.row_of[k] for k in keys], dtype=np.int64)
+        rows = np.array([placed[k] if k in placed else self.row_of[k] for k in keys], dtype=np.int64)
+        missed = np.array([k in placed for k in keys], dtype=bool)
+        return PendingFetch(keys, placed, reads, rows, missed)
+
+    def finish_fetch(self, pending: "PendingFetch") -> None:
+        """Wait for :meth:`start_fetch`'s reads; then its experts are resident."""
+        if pending.reads is not None:
+            try:
+                pending.reads.wait()
+            except BaseException:
+                self.free.extend(pending.placed.values())  # rows hold garbage now: free, not resident
+                raise
+        self.row_of.update(pending.placed)
+        self.policy.touch(pending.keys)
+
+
+@dataclass
+class PendingFetch:
+    """A routed set's rows while its misses are read (:meth:`HotCache.start_fetch`).
+
+    Attributes:
+        keys: the routed ``(layer, expert)`` bundles, in the order asked for.
+        placed: the misses and the rows they are read into.
+        reads: those reads in flight (None: every bundle was resident).
+        rows: each key's row; a miss's holds its bytes once ``reads`` landed.
+        missed: whether each key is a miss.
+    """
+
+    keys: list[Key]
+    placed: dict[Key, int]
+    reads: Optional[ReadBatch]
+    rows: np.ndarray
+    missed: np.ndarray

@@ -104,10 +104,32 @@ class HotPath:
 
     def from_union(self, layer: int, x: mx.array, inds: mx.array, union: Union) -> mx.array:
         ids, local = union
-        rows = self.hot.fetch(layer, ids)
-        if rows is None:  # the routed set is larger than the whole cache
+        pending = self.hot.start_fetch(layer, ids)
+        if pending is None:  # the routed set is larger than the whole cache
             return self.exact.from_union(layer, x, inds, union)
-        return self.hot.buffers.compute(x, mx.array(rows[local].astype(np.uint32)), self.compute_dtype)
+        rows, missed = pending.rows[local], pending.missed[local]
+        if local.size != local.shape[-1] or missed.all() or not missed.any():
+            self.hot.finish_fetch(pending)
+            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype)
+        # One token, some of its experts resident: compute those while the
+        # others are read, so the disk and the compute work at once. Each
+        # expert's output is the same product either way; they are put back in
+        # the routed order, so the block's weighted sum adds them in the order
+        # one call would.
+        flat, lead = rows.ravel(), local.shape[:-1]
+
+        def compute(picked: np.ndarray) -> mx.array:
+            picked_rows = mx.array(flat[picked].astype(np.uint32)).reshape(*lead, -1)
+            return self.hot.buffers.compute(x, picked_rows, self.compute_dtype)
+
+        hits, misses = np.flatnonzero(~missed.ravel()), np.flatnonzero(missed.ravel())
+        from_hits = compute(hits)
+        mx.async_eval(from_hits)
+        self.hot.finish_fetch(pending)
+        from_misses = compute(misses)
+        self.telemetry.current.hot_overlapped += 1
+        routed_order = mx.array(np.argsort(np.concatenate([hits, misses])).astype(np.uint32))
+        return mx.take(mx.concatenate([from_hits, from_misses], axis=-2), routed_order, axis=-2)
 
 
 class StagedPath:

@@ -22,12 +22,16 @@ class Stats:
         expert_loads: expert bundles read from disk.
         bytes_read: bytes read from disk (alignment padding included).
         reads: ``preadv`` calls (coalesced runs).
-        exposed_wait_s: time the compute thread blocked waiting for reads.
+        exposed_wait_s: time the host blocked waiting for reads (on
+            ``hot_overlapped`` calls the hits may compute meanwhile, so there
+            it bounds the compute's idle time from above).
         prerouted_wait_s: the part of ``exposed_wait_s`` spent on prerouted
             layers' fills (what a deeper staged window would hide).
         step_s: wall time from a step's opening to the next one's (the host's
             work between forwards included); 0 while the step is open.
         hot_hits / hot_misses: routed experts found / not found in the hot cache.
+        hot_overlapped: hot-path calls of one token that computed its resident
+            experts while its misses were read.
         staged_kept / staged_copied / staged_read: slots of staging buffers
             already holding the expert, filled by copying a resident bundle,
             filled from disk; ``slot_rewrites`` = copied + read.
@@ -51,6 +55,7 @@ class Stats:
     step_s: float = 0.0
     hot_hits: int = 0
     hot_misses: int = 0
+    hot_overlapped: int = 0
     staged_kept: int = 0
     staged_copied: int = 0
     staged_read: int = 0
@@ -135,7 +140,8 @@ def format_stats(stats: dict) -> str:
         f"{stats['reads']} reads ({stats['whole_layer_loads']} whole layers), {stats['read_errors']} errors",
         f"  exposed wait    {stats['exposed_wait_ms']:.1f} ms in all, {last['exposed_wait_ms']:.1f} ms "
         "on the last step",
-        f"  hot cache       {hits} hits, {misses} misses{hit_rate}, {stats['prompt_copied']} copied from prompts",
+        f"  hot cache       {hits} hits, {misses} misses{hit_rate}, {stats['prompt_copied']} copied from prompts, "
+        f"{stats['hot_overlapped']} calls computed hits while reading misses",
         f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
         f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",
         f"  prerouted       {stats['prerouted']} layer calls, {stats['prerouted_wait_ms']:.1f} ms exposed wait, "

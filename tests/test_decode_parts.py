@@ -90,6 +90,42 @@ def test_hot_path_hits_what_it_read_and_falls_back_to_exact_beyond_the_cache():
     assert store.submitted[-1] == (1, [0, 1, 2, 3], True)  # read by the exact path
 
 
+def test_hot_path_computes_resident_experts_while_it_reads_the_misses():
+    """One token with some experts resident: :meth:`HotPath.from_union` computes
+    those while the misses are read, and puts the outputs back in the routed
+    order (identity with expert_glu, a miss routed first included); a prompt
+    chunk, or a token with no hit, is computed in one call."""
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=4)
+    s = store.telemetry.current
+    hot.experts(0, _x(store, 1, 1), mx.array([[[1, 5]]], mx.uint32))  # both miss
+    assert s.hot_overlapped == 0
+    for seed, inds in enumerate([[[[3, 1]]], [[[5, 6]]]]):  # a miss first, then a hit first
+        x, inds = _x(store, 1, 1, seed), mx.array(inds, mx.uint32)
+        assert mx.array_equal(hot.experts(0, x, inds), expert_glu(x, inds, store.weights(0))).item()
+        assert s.hot_overlapped == seed + 1
+    assert (s.hot_hits, s.hot_misses) == (2, 4)
+    chunk = mx.array([[[1, 2], [4, 3]]], mx.uint32)  # 1 and 3 resident, 2 and 4 not
+    x = _x(store, 1, 2)
+    assert mx.array_equal(hot.experts(0, x, chunk), expert_glu(x, chunk, store.weights(0))).item()
+    assert s.hot_overlapped == 2
+
+
+def test_a_failed_miss_read_leaves_the_hits_resident_and_the_miss_out():
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=4)
+    x = _x(store, 1, 1)
+    hot.experts(1, x, mx.array([[[2, 7]]], mx.uint32))
+    store.fail = ExpertReadError("layer_001.safetensors: read failed")
+    with pytest.raises(ExpertReadError):
+        hot.experts(1, x, mx.array([[[7, 4]]], mx.uint32))
+    assert set(hot.hot.row_of) == {(1, 2), (1, 7)} and len(hot.hot.free) == 2
+    store.fail = None
+    inds = mx.array([[[7, 4]]], mx.uint32)
+    assert mx.array_equal(hot.experts(1, x, inds), expert_glu(x, inds, store.weights(1))).item()
+    assert store.submitted[-1] == (1, [4], True)
+
+
 def test_permanent_experts_are_read_once_and_never_evicted():
     """What :meth:`HotCache.add_permanent` holds (a layer no owner predicts)
     is read at once, then hit every time, while other layers' misses evict
