@@ -123,9 +123,11 @@ class HotPath:
             return self.hot.buffers.compute(x, picked_rows, self.compute_dtype)
 
         hits, misses = np.flatnonzero(~missed.ravel()), np.flatnonzero(missed.ravel())
-        from_hits = compute(hits)
-        mx.async_eval(from_hits)
-        self.hot.finish_fetch(pending)
+        try:
+            from_hits = compute(hits)
+            mx.async_eval(from_hits)
+        finally:  # the misses' rows are being written: settle them whatever happens
+            self.hot.finish_fetch(pending)
         from_misses = compute(misses)
         self.telemetry.current.hot_overlapped += 1
         routed_order = mx.array(np.argsort(np.concatenate([hits, misses])).astype(np.uint32))

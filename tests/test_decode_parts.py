@@ -126,6 +126,27 @@ def test_a_failed_miss_read_leaves_the_hits_resident_and_the_miss_out():
     assert store.submitted[-1] == (1, [4], True)
 
 
+def test_an_error_while_the_hits_are_built_still_settles_the_misses(monkeypatch):
+    """The misses' reads are in flight while the hits' experts are built: if
+    building fails, the reads are still waited for and their rows kept, not
+    stranded between free and resident."""
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=4)
+    x = _x(store, 1, 1)
+    hot.experts(1, x, mx.array([[[2, 7]]], mx.uint32))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("graph building failed")
+
+    monkeypatch.setattr(hot.hot.buffers, "compute", broken)
+    with pytest.raises(RuntimeError, match="graph building"):
+        hot.experts(1, x, mx.array([[[7, 4]]], mx.uint32))
+    monkeypatch.undo()
+    assert set(hot.hot.row_of) == {(1, 2), (1, 7), (1, 4)} and len(hot.hot.free) == 1
+    inds = mx.array([[[4, 7]]], mx.uint32)
+    assert mx.array_equal(hot.experts(1, x, inds), expert_glu(x, inds, store.weights(1))).item()
+
+
 def test_permanent_experts_are_read_once_and_never_evicted():
     """What :meth:`HotCache.add_permanent` holds (a layer no owner predicts)
     is read at once, then hit every time, while other layers' misses evict
