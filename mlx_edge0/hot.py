@@ -264,8 +264,7 @@ class HotCache:
                 self.free.extend(placed.values())
                 raise
         rows = np.array([placed[k] if k in placed else self.row_of[k] for k in keys], dtype=np.int64)
-        missed = np.array([k in placed for k in keys], dtype=bool)
-        return PendingFetch(keys, placed, reads, rows, missed)
+        return PendingFetch(keys, placed, reads, rows)
 
     def finish_fetch(self, pending: "PendingFetch") -> None:
         """Wait for :meth:`start_fetch`'s reads; then its experts are resident."""
@@ -288,11 +287,14 @@ class PendingFetch:
         placed: the misses and the rows they are read into.
         reads: those reads in flight (None: every bundle was resident).
         rows: each key's row; a miss's holds its bytes once ``reads`` landed.
-        missed: whether each key is a miss.
     """
 
     keys: list[Key]
     placed: dict[Key, int]
     reads: Optional[ReadBatch]
     rows: np.ndarray
-    missed: np.ndarray
+
+    @property
+    def missed(self) -> np.ndarray:
+        """Whether each key is a miss."""
+        return np.array([k in self.placed for k in self.keys], dtype=bool)
