@@ -11,7 +11,8 @@ bench's child process imports it), and prints the medians side by side:
         --cache cold --prompt-tokens 64 --decode-tokens 16
 
 Each run's results are ``DIR/{old,new}-r{N}.json``; the table is also
-``DIR/summary.json``. Runs already in DIR are kept (a stopped pair resumes).
+``DIR/summary.json``. Runs already in DIR are kept (a stopped pair resumes;
+one with every run there prints its table again).
 The runs start in the tree they import, so give paths in the bench options
 absolute (``$DATA`` is).
 """
@@ -47,6 +48,10 @@ COLUMNS = {  # name -> (heading, value of one run record)
     ),
     "min_from_start": ("MIN from the decode's start", lambda r: r["eviction_replay"]["from_start"]["hit_rate"]["min"]),
     "exposed_wait_ms": ("exposed wait ms/step", lambda r: r["counters_per_token"]["exposed_wait_ms"]),
+    "step_ms": ("step ms", lambda r: r["counters_per_token"]["step_ms"]),
+    "hot_overlapped": ("overlapped hot calls/token", lambda r: r["counters_per_token"]["hot_overlapped"]),
+    "distinct_experts": ("experts/layer touched", lambda r: r["locality"]["mean_distinct"]),
+    "reuse": ("token-to-token reuse", lambda r: r["locality"]["mean_reuse"]),
 }
 
 
@@ -77,27 +82,35 @@ def value(record: dict, name: str):
 
 
 def summarize(out: Path, rounds: int) -> dict:
+    """Per tree, each column's median, min and max over the rounds; and
+    ``ratio``: new ÷ old decode tok/s in each round, and their median."""
     table = {}
     for tree in ("old", "new"):
         runs = [json.loads((out / f"{tree}-r{r}.json").read_text())["runs"][0] for r in range(1, rounds + 1)]
-        table[tree] = {}
+        table[tree] = {"_tok_s": [run["decode_tok_s"] for run in runs]}
         for name in COLUMNS:
             values = [v for v in (value(run, name) for run in runs) if v is not None]
             table[tree][name] = (
                 {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
             )
+    per_round = [new / old for old, new in zip(table["old"].pop("_tok_s"), table["new"].pop("_tok_s"))]
+    table["ratio"] = {"per_round": per_round, "median": statistics.median(per_round)}
     return table
 
 
 def print_table(table: dict) -> None:
     print("| code | " + " | ".join(h for h, _ in COLUMNS.values()) + " |")
     print("|---" * (len(COLUMNS) + 1) + "|")
-    for tree, row in table.items():
+    for tree in ("old", "new"):
+        row = table[tree]
         cells = []
         for name in COLUMNS:
             v = row[name]
             cells.append("-" if v is None else f"{v['median']:.3f} ({v['min']:.3f}–{v['max']:.3f})")
         print(f"| {tree} | " + " | ".join(cells) + " |")
+    ratio = table["ratio"]
+    rounds = ", ".join(f"{r:.3f}" for r in ratio["per_round"])
+    print(f"new ÷ old decode tok/s: median {ratio['median']:.3f} (by round: {rounds})")
 
 
 def main() -> None:
