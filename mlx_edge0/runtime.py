@@ -226,20 +226,23 @@ class StreamingRuntime:
             return inds, scores
         return self.prerouting.mix(layer, inds, scores)
 
-    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan]) -> mx.array:
-        """The routed experts' outputs ``[B, L, K, D]`` for routing ``inds``."""
+    def experts(
+        self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan], meanwhile: Sequence[mx.array] = ()
+    ) -> mx.array:
+        """The routed experts' outputs ``[B, L, K, D]`` for routing ``inds``;
+        ``meanwhile`` computes while this call's reads land."""
         if self.training_source is not None:
-            return self.training_source.experts(layer, x, inds, plan)
+            return self.training_source.experts(layer, x, inds, plan, meanwhile)
         compute = (
             partial(self.prerouting.experts, plan=plan)
             if plan is not None
             else self.path(x.shape[0], x.shape[1]).experts
         )
         if self.shard is None:
-            y = compute(layer, x, inds)
+            y = compute(layer, x, inds, meanwhile=meanwhile)
         else:  # this rank's (token, slot) pairs, then every rank's in one all_sum
             pairs = self.shard.pairs(inds)
-            y_pairs = compute(layer, *self.shard.inputs(x, pairs))
+            y_pairs = compute(layer, *self.shard.inputs(x, pairs), meanwhile=meanwhile)
             y = self.shard.combine(y_pairs, pairs, self.compute_dtype or x.dtype, x.shape[-1])
         if self.prerouting is not None:
             self.prerouting.observe(layer, x, inds)
