@@ -12,11 +12,6 @@ weights they hand it (and so in what they read and when):
   decode fallback: hot or exact).
 - ``WholeLayerPath``: prompt chunks; the whole layer, read ahead.
 
-A call that waits for reads first queues ``meanwhile`` (outputs the block
-needs that do not depend on the routed experts: the shared expert's), so
-they compute while the reads land; a call that reads nothing leaves them to
-the block's own evaluation.
-
 Each path receives what it uses in its constructor (store, tiers, telemetry,
 compute dtype, the path it falls back to); paths compose, none inherits from
 another or knows the runtime. A path is chosen once per forward from the
@@ -25,7 +20,7 @@ token count and the options (:meth:`StreamingRuntime.path`).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -49,13 +44,6 @@ def routed_union(layer: int, inds: mx.array, telemetry: Telemetry) -> Union:
     if telemetry.routing_trace is not None:
         telemetry.routing_trace.append((layer, ids.tolist()))
     return ids, inverse.reshape(host.shape)
-
-
-def queue(arrays: Sequence[mx.array]) -> None:
-    """Start computing ``arrays`` without waiting for them (before the host
-    blocks on reads)."""
-    if arrays:
-        mx.async_eval(*arrays)
 
 
 class ExactPath:
@@ -83,24 +71,19 @@ class ExactPath:
     def begin(self, layer: int) -> None:
         pass
 
-    def experts(self, layer: int, x: mx.array, inds: mx.array, meanwhile: Sequence[mx.array] = ()) -> mx.array:
-        return self.from_union(layer, x, inds, routed_union(layer, inds, self.telemetry), meanwhile)
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        return self.from_union(layer, x, inds, routed_union(layer, inds, self.telemetry))
 
-    def from_union(
-        self, layer: int, x: mx.array, inds: mx.array, union: Union, meanwhile: Sequence[mx.array] = ()
-    ) -> mx.array:
+    def from_union(self, layer: int, x: mx.array, inds: mx.array, union: Union) -> mx.array:
         ids, local = union
         local = mx.array(local.astype(np.uint32))
         if len(ids) > self.rows:
-            queue(meanwhile)
             return expert_glu(x, local, self.store.read(layer, ids, self.compute_dtype))
         if self.scratch is None:
             self.scratch = SlotBuffers(self.store.geometry, self.rows, self.pool_dtype)
         # Rewriting the rows settles their readers: free in decode, where this
         # layer's sync evaluated them.
-        reads = self.store.submit(layer, ids, range(len(ids)), self.scratch, urgent=True)
-        queue(meanwhile)
-        reads.wait()
+        self.store.submit(layer, ids, range(len(ids)), self.scratch, urgent=True).wait()
         return self.scratch.compute(x, local, self.compute_dtype)
 
 
@@ -116,20 +99,16 @@ class HotPath:
     def begin(self, layer: int) -> None:
         pass
 
-    def experts(self, layer: int, x: mx.array, inds: mx.array, meanwhile: Sequence[mx.array] = ()) -> mx.array:
-        return self.from_union(layer, x, inds, routed_union(layer, inds, self.telemetry), meanwhile)
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        return self.from_union(layer, x, inds, routed_union(layer, inds, self.telemetry))
 
-    def from_union(
-        self, layer: int, x: mx.array, inds: mx.array, union: Union, meanwhile: Sequence[mx.array] = ()
-    ) -> mx.array:
+    def from_union(self, layer: int, x: mx.array, inds: mx.array, union: Union) -> mx.array:
         ids, local = union
         pending = self.hot.start_fetch(layer, ids)
         if pending is None:  # the routed set is larger than the whole cache
-            return self.exact.from_union(layer, x, inds, union, meanwhile)
+            return self.exact.from_union(layer, x, inds, union)
         rows, missed = pending.rows[local], pending.missed[local]
         if local.size != local.shape[-1] or missed.all() or not missed.any():
-            if pending.reads is not None:
-                queue(meanwhile)
             self.hot.finish_fetch(pending)
             return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype)
         # One token, some of its experts resident: compute those while the
@@ -146,7 +125,7 @@ class HotPath:
         hits, misses = np.flatnonzero(~missed.ravel()), np.flatnonzero(missed.ravel())
         try:
             from_hits = compute(hits)
-            mx.async_eval(from_hits, *meanwhile)
+            mx.async_eval(from_hits)
         finally:  # the misses' rows are being written: settle them whatever happens
             self.hot.finish_fetch(pending)
         from_misses = compute(misses)
@@ -175,15 +154,13 @@ class StagedPath:
     def begin(self, layer: int) -> None:
         pass
 
-    def experts(self, layer: int, x: mx.array, inds: mx.array, meanwhile: Sequence[mx.array] = ()) -> mx.array:
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         union = routed_union(layer, inds, self.telemetry)
         buffer = self.buffers[layer]
         if len(union[0]) > buffer.capacity:
             self.telemetry.current.staged_fallbacks += 1
-            return self.fallback.from_union(layer, x, inds, union, meanwhile)
+            return self.fallback.from_union(layer, x, inds, union)
         fill = buffer.stage(union[0], self.hot)
-        if not fill.reads.done():
-            queue(meanwhile)
         try:
             fill.reads.wait()
         except BaseException:
@@ -208,11 +185,10 @@ class WholeLayerPath:
     def begin(self, layer: int) -> None:
         self.loader.start(layer)
 
-    def experts(self, layer: int, x: mx.array, inds: mx.array, meanwhile: Sequence[mx.array] = ()) -> mx.array:
+    def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         # Compute everything up to this router while this layer's read (started
         # by the previous layer) lands; then start the next layer's read.
         mx.eval(inds)
-        queue(meanwhile)
         rows = self.loader.take(layer)
         if self.hot is not None:
             self.hot.copy_prompt_experts(layer, np.array(inds).ravel(), rows, self.loader.row_of_expert)

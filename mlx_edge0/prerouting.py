@@ -55,7 +55,7 @@ cache and the telemetry.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -305,16 +305,14 @@ class Prerouting:
         use = use[..., None]
         return mx.where(use, p_inds, inds), mx.where(use, p_scores, scores)
 
-    def experts(
-        self, layer: int, x: mx.array, inds: mx.array, plan: Plan, meanwhile: Sequence[mx.array] = ()
-    ) -> mx.array:
+    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Plan) -> mx.array:
         """Compute a prerouted layer's experts ``inds`` (the plan's, or this
         process's share of them) from its staging buffer, waiting only for
-        its reads (``meanwhile`` computes while they land)."""
+        its reads."""
         buffer = plan.buffer
         # the compute thread runs everything up to here while the reads land; the routed
         # predictions made since are queued with it, so the next step can wait for each alone
-        mx.async_eval(x, *self.unqueued, *meanwhile)
+        mx.async_eval(x, *self.unqueued)
         self.unqueued.clear()
         self._start(refill_at(self.order.index(layer), len(self.window)))
         try:

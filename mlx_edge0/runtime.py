@@ -226,23 +226,20 @@ class StreamingRuntime:
             return inds, scores
         return self.prerouting.mix(layer, inds, scores)
 
-    def experts(
-        self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan], meanwhile: Sequence[mx.array] = ()
-    ) -> mx.array:
-        """The routed experts' outputs ``[B, L, K, D]`` for routing ``inds``;
-        ``meanwhile`` computes while this call's reads land."""
+    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan]) -> mx.array:
+        """The routed experts' outputs ``[B, L, K, D]`` for routing ``inds``."""
         if self.training_source is not None:
-            return self.training_source.experts(layer, x, inds, plan, meanwhile)
+            return self.training_source.experts(layer, x, inds, plan)
         compute = (
             partial(self.prerouting.experts, plan=plan)
             if plan is not None
             else self.path(x.shape[0], x.shape[1]).experts
         )
         if self.shard is None:
-            y = compute(layer, x, inds, meanwhile=meanwhile)
+            y = compute(layer, x, inds)
         else:  # this rank's (token, slot) pairs, then every rank's in one all_sum
             pairs = self.shard.pairs(inds)
-            y_pairs = compute(layer, *self.shard.inputs(x, pairs), meanwhile=meanwhile)
+            y_pairs = compute(layer, *self.shard.inputs(x, pairs))
             y = self.shard.combine(y_pairs, pairs, self.compute_dtype or x.dtype, x.shape[-1])
         if self.prerouting is not None:
             self.prerouting.observe(layer, x, inds)

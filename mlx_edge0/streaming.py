@@ -21,7 +21,7 @@ never calls back into the block.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,13 +42,8 @@ class ExpertSource(Protocol):
         ``[B, L, E]`` and routing ``[B, L, K]`` (e.g. predicted positions of
         a prompt chunk take the prediction)."""
 
-    def experts(
-        self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan], meanwhile: Sequence[mx.array] = ()
-    ) -> mx.array:
-        """The routed experts' outputs ``[B, L, K, D]``, before the scores.
-        ``meanwhile``: outputs the block needs that do not depend on them
-        (the shared expert's); a source that must wait for reads queues them
-        first, so they compute while the reads land."""
+    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan]) -> mx.array:
+        """The routed experts' outputs ``[B, L, K, D]``, before the scores."""
 
 
 def dense_weight(linear: nn.Module) -> mx.array:
@@ -102,7 +97,7 @@ class StreamingMoE(nn.Module):
             inds, scores = source.mix(layer, x, logits, *self.route(logits))
         else:
             inds, scores = plan.inds, plan.scores
-        shared = self.shared(x)
-        y = source.experts(layer, x, inds, plan, meanwhile=() if shared is None else (shared,))
+        y = source.experts(layer, x, inds, plan)
         y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
+        shared = self.shared(x)
         return y if shared is None else y + shared

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from fakes import FakeReads, FakeStore
+from fakes import FakeStore
 from mlx_edge0.expert_math import expert_glu
 from mlx_edge0.hot import HotCache, permanent_fits
 from mlx_edge0.paths import ExactPath, HotPath, StagedPath, WholeLayerPath
@@ -145,54 +145,6 @@ def test_an_error_while_the_hits_are_built_still_settles_the_misses(monkeypatch)
     assert set(hot.hot.row_of) == {(1, 2), (1, 7), (1, 4)} and len(hot.hot.free) == 1
     inds = mx.array([[[4, 7]]], mx.uint32)
     assert mx.array_equal(hot.experts(1, x, inds), expert_glu(x, inds, store.weights(1))).item()
-
-
-def _record_waits_and_queued(monkeypatch, shared: mx.array) -> list[str]:
-    """Events in order: "queued" when ``shared`` is handed to ``mx.async_eval``,
-    "wait" when the host blocks on a read batch."""
-    events: list[str] = []
-    async_eval, wait = mx.async_eval, FakeReads.wait
-
-    def recording_async_eval(*arrays):
-        events.extend("queued" for a in arrays if a is shared)
-        async_eval(*arrays)
-
-    def recording_wait(reads):
-        events.append("wait")
-        return wait(reads)
-
-    monkeypatch.setattr(mx, "async_eval", recording_async_eval)
-    monkeypatch.setattr(FakeReads, "wait", recording_wait)
-    return events
-
-
-def test_a_call_that_waits_for_reads_queues_the_blocks_other_work_first(monkeypatch):
-    """``meanwhile`` (the shared expert's output) is handed to ``async_eval``
-    before the host blocks on reads, on every path that reads; a call that
-    reads nothing leaves it to the block's own evaluation."""
-    store = FakeStore(LAYERS)
-    exact, hot, staged, whole = _paths(store, hot_rows=4)
-    x = _x(store, 1, 1)
-    shared = mx.sin(x)  # stands for the shared expert: lazy, independent of the routing
-    events = _record_waits_and_queued(monkeypatch, shared)
-
-    def run(path, layer, inds):
-        events.clear()
-        inds = mx.array(inds, mx.uint32)
-        got = path.experts(layer, x, inds, meanwhile=(shared,))
-        assert mx.array_equal(got, expert_glu(x, inds, store.weights(layer))).item()
-        return list(events)
-
-    assert run(exact, 0, [[[1, 5]]]) == ["queued", "wait"]
-    assert run(hot, 1, [[[1, 5]]]) == ["queued", "wait"]  # every expert missed
-    assert run(hot, 1, [[[5, 1]]]) == []  # every expert resident: no read
-    assert run(hot, 1, [[[5, 2]]]) == ["queued", "wait"]  # queued with the hit, overlapped
-    assert store.telemetry.current.hot_overlapped == 1
-    whole.begin(2)
-    assert run(whole, 2, [[[0, 3], [4, 3]]])[:2] == ["queued", "wait"]
-    assert "queued" not in run(staged, 3, [[[1, 5]]])  # its fill had landed: nothing to overlap
-    monkeypatch.setattr(FakeReads, "done", lambda reads: False)
-    assert run(staged, 4, [[[1, 5]]])[-2:] == ["queued", "wait"]  # queued before the fill is waited for
 
 
 def test_permanent_experts_are_read_once_and_never_evicted():
@@ -377,21 +329,6 @@ def test_prerouted_step_computes_the_predicted_routing_from_its_fills(window):
     assert store.telemetry.current.prerouted == 5 and not pre.planned
     if window:
         assert [b.layer for b in pre.window] == [4, 5, 3]
-
-
-def test_a_prerouted_layer_queues_the_blocks_other_work_before_waiting_for_its_fill(monkeypatch):
-    store = FakeStore(LAYERS)
-    pre, heads = _prerouting(store)
-    pre.bind(_decode_state(pre, heads, [True]))
-    x = _x(store, 1, 1)
-    shared = mx.sin(x)
-    pre.begin_forward(1, x)
-    pre.take(LAYERS[0])
-    plan = pre.take(LAYERS[1])
-    events = _record_waits_and_queued(monkeypatch, shared)
-    got = pre.experts(LAYERS[1], x, plan.inds, plan, meanwhile=(shared,))
-    assert mx.array_equal(got, expert_glu(x, plan.inds, store.weights(LAYERS[1]))).item()
-    assert events.index("queued") < events.index("wait")
 
 
 def test_an_owner_routes_its_prediction_in_its_own_layer_and_the_next_step_plans_from_it():

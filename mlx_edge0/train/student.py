@@ -33,7 +33,7 @@ LoRA) through hidden states, routing weights and the (frozen) heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -141,11 +141,8 @@ class StudentPath:
             self.trace[layer] = LayerTrace(x, logits, inds)
         return inds, scores
 
-    def experts(
-        self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan], meanwhile: Sequence[mx.array] = ()
-    ) -> mx.array:
-        """``[B, L, K, D]`` from the resident experts (no reads: ``meanwhile``
-        has nothing to overlap); owners keep what their head reads."""
+    def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Optional[Plan]) -> mx.array:
+        """``[B, L, K, D]`` from the resident experts; owners keep what their head reads."""
         y = expert_glu(x, inds, self.expert_weights[layer])
         if layer in self.consumer_of:
             self.seen[layer] = (x, topk_onehot(inds, self.num_experts))
