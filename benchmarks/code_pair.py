@@ -84,16 +84,17 @@ def value(record: dict, name: str):
 def summarize(out: Path, rounds: int) -> dict:
     """Per tree, each column's median, min and max over the rounds; and
     ``ratio``: new ÷ old decode tok/s in each round, and their median."""
-    table = {}
+    table, tok_s = {}, {}
     for tree in ("old", "new"):
         runs = [json.loads((out / f"{tree}-r{r}.json").read_text())["runs"][0] for r in range(1, rounds + 1)]
-        table[tree] = {"_tok_s": [run["decode_tok_s"] for run in runs]}
+        tok_s[tree] = [run["decode_tok_s"] for run in runs]
+        table[tree] = {}
         for name in COLUMNS:
             values = [v for v in (value(run, name) for run in runs) if v is not None]
             table[tree][name] = (
                 {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
             )
-    per_round = [new / old for old, new in zip(table["old"].pop("_tok_s"), table["new"].pop("_tok_s"))]
+    per_round = [new / old for old, new in zip(tok_s["old"], tok_s["new"])]
     table["ratio"] = {"per_round": per_round, "median": statistics.median(per_round)}
     return table
 
