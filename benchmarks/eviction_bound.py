@@ -16,12 +16,20 @@ when popularity alone gives the measured reuse) through one shared cache
   advance, rather than learning it, would take a cache;
 - ``min``: Belady's MIN, which knows the whole future.
 
-Every replay starts empty; longer traces show the steady state. Prints a
-table (medians over seeds, ranges) and writes JSON:
+Every replay starts empty; longer traces show the steady state.
+
+``--bench RESULTS.json`` replays, beside them, the decodes an ``edge0 bench``
+run recorded, each from the cache it began with and at its rows, under the
+same policies; ``popularity`` there is each expert's share of that very
+decode's routings (measured on the trace it is replayed on, so it knows in
+advance what a learning cache must estimate): what no victim choice that
+knows only popularity can beat on average.
+
+Prints a table (medians over seeds, ranges) and writes JSON:
 
     python benchmarks/eviction_bound.py [--layers 40] [--experts 256] [--k 4]
         [--capacity 1092] [--coverage90 0.51] [--reuse 0.107]
-        [--tokens 24,64,256,1024] [--seeds 0,1,2] [--out FILE.json]
+        [--tokens 24,64,256,1024] [--seeds 0,1,2] [--bench RESULTS.json ...] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import json
 import statistics
 from pathlib import Path
 
-from mlx_edge0.bench.eviction import POPULARITY, ceiling, simulate
+from mlx_edge0.bench.eviction import POPULARITY, RecordedDecode, ceiling, measured_popularity, simulate
 from mlx_edge0.bench.locality import LocalitySummary
 from mlx_edge0.bench.synthetic_routing import CALIBRATED_35B_2GIB as SHAPE
 from mlx_edge0.bench.synthetic_routing import calibrate, generate_with_popularity
@@ -55,6 +63,47 @@ def replay(layers: int, experts: int, k: int, capacity: int, tokens: int, seed: 
         "ceiling": ceiling(trace),
         "hit_rate": hit_rate,
     }
+
+
+def replay_recorded(path: Path, run: dict, decode: RecordedDecode) -> dict:
+    """Every policy on one bench run's decode, from the cache it began with."""
+    start = {"permanent": decode.permanent, "resident": decode.resident}
+    popularity = measured_popularity(decode.trace)
+    hit_rate = {
+        p: simulate(decode.trace, decode.capacity, p, popularity=popularity, **start).hit_rate for p in POLICIES
+    }
+    summary = LocalitySummary.of(decode.trace)
+    return {
+        "run": f"{path.name}: {run['arm']} round {run['round']}",
+        "tokens": len(decode.trace.tokens),
+        "capacity": decode.capacity,
+        "distinct": summary.mean("distinct"),
+        "reuse": summary.mean("reuse"),
+        "ceiling": ceiling(decode.trace, decode.permanent, decode.resident),
+        "hit_rate": hit_rate,
+        "runtime_hit_rate": decode.runtime_hit_rate,
+    }
+
+
+def recorded_table(rows: list[dict]) -> str:
+    head = (
+        "| recorded decode | tokens | rows | "
+        + " | ".join(POLICIES)
+        + " | unbounded | runtime served | gap to MIN (points) | distinct experts/layer |"
+    )
+    lines = [head, "|" + "---|" * (len(POLICIES) + 7)]
+    for r in rows:
+        best = r["hit_rate"]["min"]
+        gaps = ["runtime"] + list(POLICIES[:-1])
+        rates = r["hit_rate"] | {"runtime": r["runtime_hit_rate"]}
+        lines.append(
+            f"| {r['run']} | {r['tokens']} | {r['capacity']} | "
+            + " | ".join(f"{r['hit_rate'][p]:.3f}" for p in POLICIES)
+            + f" | {r['ceiling']:.3f} | {r['runtime_hit_rate']:.3f} | "
+            + ", ".join(f"{p} {100 * (best - rates[p]):.1f}" for p in gaps)
+            + f" | {r['distinct']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(runs: list[dict], token_counts: list[int]) -> str:
@@ -90,30 +139,43 @@ def main() -> None:
         "--coverage90", type=float, default=SHAPE.coverage90, help="share of experts covering 90%% of routings"
     )
     p.add_argument("--reuse", type=float, default=SHAPE.reuse, help="adjacent-token reuse to calibrate for")
-    p.add_argument("--tokens", default="24,64,256,1024", help="trace lengths")
+    p.add_argument("--tokens", default="24,64,256,1024", help="synthetic trace lengths ('' for none)")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--bench", type=Path, action="append", default=[], help="an edge0 bench results JSON")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     a = p.parse_args()
-    token_counts = [int(t) for t in a.tokens.split(",")]
+    token_counts = [int(t) for t in a.tokens.split(",") if t]
     seeds = [int(s) for s in a.seeds.split(",")]
     if a.capacity < a.k * a.layers:
         raise SystemExit(f"--capacity {a.capacity} is below one token's routed sets ({a.k} x {a.layers} layers)")
     knobs = calibrate(a.experts, a.k, a.coverage90, a.reuse)
-    runs = []
-    with bar(sum(token_counts) * len(seeds), "replayed tokens", unit="tok") as b:
+    recorded = [(path, run, RecordedDecode.of(run)) for path in a.bench for run in json.loads(path.read_text())["runs"]]
+    recorded = [(path, run, decode) for path, run, decode in recorded if decode is not None]
+    runs, recorded_rows = [], []
+    total = sum(token_counts) * len(seeds) + sum(len(d.trace.tokens) for _, _, d in recorded)
+    with bar(total, "replayed tokens", unit="tok") as b:
         for tokens in token_counts:
             for seed in seeds:
                 runs.append(replay(a.layers, a.experts, a.k, a.capacity, tokens, seed, knobs))
                 b.update(tokens)
-    print(
-        f"\n{a.layers} layers x E={a.experts}, K={a.k}, {a.capacity} rows ({a.capacity / (a.layers * a.experts):.1%}"
-        f" of all experts); {knobs}; medians over seeds {a.seeds} (range)\n"
-    )
-    print(table(runs, token_counts))
+        for path, run, decode in recorded:
+            recorded_rows.append(replay_recorded(path, run, decode))
+            b.update(len(decode.trace.tokens))
+    if runs:
+        print(
+            f"\n{a.layers} layers x E={a.experts}, K={a.k}, {a.capacity} rows"
+            f" ({a.capacity / (a.layers * a.experts):.1%} of all experts); {knobs};"
+            f" medians over seeds {a.seeds} (range)\n"
+        )
+        print(table(runs, token_counts))
+    if recorded_rows:
+        print("\nRecorded decodes, each from the cache it began with; popularity: the decode's own shares\n")
+        print(recorded_table(recorded_rows))
     if a.out:
         options = {k: v for k, v in vars(a).items() if k != "out"}
         knob_values = {"popularity": knobs.popularity, "keep": knobs.keep}
-        a.out.write_text(json.dumps({"options": options, "knobs": knob_values, "runs": runs}, indent=2) + "\n")
+        out = {"options": options, "knobs": knob_values, "runs": runs, "recorded": recorded_rows}
+        a.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

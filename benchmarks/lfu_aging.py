@@ -28,7 +28,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from mlx_edge0.bench.eviction import simulate
+from mlx_edge0.bench.eviction import RecordedDecode, simulate
 from mlx_edge0.bench.locality import RoutingTrace
 from mlx_edge0.bench.synthetic_routing import CALIBRATED_35B_2GIB, calibrate, generate
 from mlx_edge0.hot import LFU_AGING
@@ -45,24 +45,13 @@ def rates(trace: RoutingTrace, capacity: int, agings: list[int], **start) -> dic
     return out | {"min": simulate(trace, capacity, "min", **start).hit_rate}
 
 
-def bench_runs(path: Path) -> list[dict]:
-    """The runs of a bench results file that kept their routing and hot-cache start."""
-    runs = json.loads(path.read_text())["runs"]
-    return [r for r in runs if "routing" in r and "resident_keys" in r.get("eviction_replay", {})]
-
-
-def replay_run(path: Path, run: dict, agings: list[int]) -> dict:
+def replay_run(path: Path, run: dict, decode: RecordedDecode, agings: list[int]) -> dict:
     """One bench run's decode from its start, and what the runtime served."""
-    replay = run["eviction_replay"]
-    trace = RoutingTrace(**run["routing"])
-    permanent = frozenset(tuple(k) for k in replay["permanent_keys"])
-    resident = [tuple(k) for k in replay["resident_keys"]]
-    hit_rate = rates(trace, replay["capacity"], agings, permanent=permanent, resident=resident)
-    c = run["decode_counters"]
-    runtime = c["hot_hits"] / (c["hot_hits"] + c["hot_misses"])
+    start = {"permanent": decode.permanent, "resident": decode.resident}
+    hit_rate = rates(decode.trace, decode.capacity, agings, **start)
     name = f"{path.name}: {run['arm']} round {run['round']}"
-    return {"trace": name, "tokens": len(trace.tokens), "capacity": replay["capacity"], "hit_rate": hit_rate} | {
-        "runtime_hit_rate": runtime
+    return {"trace": name, "tokens": len(decode.trace.tokens), "capacity": decode.capacity, "hit_rate": hit_rate} | {
+        "runtime_hit_rate": decode.runtime_hit_rate
     }
 
 
@@ -80,11 +69,12 @@ def main() -> None:
     traces = [RoutingTrace.load(path) for path in a.trace]
     fractions = [float(f) for f in a.fractions.split(",")]
     rows = []
-    runs = [(path, run) for path in a.bench for run in bench_runs(path)]
+    recorded = [(path, run, RecordedDecode.of(run)) for path in a.bench for run in json.loads(path.read_text())["runs"]]
+    runs = [(path, run, decode) for path, run, decode in recorded if decode is not None]
     jobs = len(traces) * len(fractions) + len(runs) + len(lengths) * len(SEEDS)
     with bar(jobs, "replays", unit="trace") as b:
-        for path, run in runs:
-            rows.append(replay_run(path, run, agings))
+        for path, run, decode in runs:
+            rows.append(replay_run(path, run, decode, agings))
             b.update(1)
         for path, trace in zip(a.trace, traces):
             total = len(trace.layers) * trace.num_experts

@@ -4,6 +4,7 @@ Belady's MIN checked against an exhaustive search on random small traces."""
 from __future__ import annotations
 
 import itertools
+import json
 from functools import lru_cache
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from mlx_edge0.bench.eviction import (
     POLICY_NAMES,
     POPULARITY,
+    RecordedDecode,
     call_keys,
     ceiling,
     compare,
@@ -161,6 +163,25 @@ def test_a_replay_can_start_from_the_cache_the_runtime_had():
     with pytest.raises(ValueError, match="2 keys resident at the start exceed the capacity 1"):
         simulate(t, 1, "lru", resident=start)
     assert [r.capacity for r in compare(t, [1, 2], ["lru"], resident=start)] == [2]
+
+
+def test_a_recorded_decode_replays_from_its_json_record():
+    """A results JSON keeps a run's routing and cache start as lists; read
+    back they replay as the test above, and the runtime's served share comes
+    from its counters. A run with no start recorded (no hot cache) is None."""
+    t = one_layer([1, 0, 2, 0], 3)
+    run = {
+        "routing": t.as_dict(),
+        "eviction_replay": {"capacity": 2, "permanent_keys": [], "resident_keys": [[0, 0], [0, 2]]},
+        "decode_counters": {"hot_hits": 3, "hot_misses": 1},
+    }
+    decode = RecordedDecode.of(json.loads(json.dumps(run)))
+    assert decode.trace == t and decode.capacity == 2 and decode.runtime_hit_rate == 0.75
+    assert decode.resident == [(0, 0), (0, 2)] and decode.permanent == frozenset()
+    start = {"permanent": decode.permanent, "resident": decode.resident}
+    assert simulate(decode.trace, decode.capacity, "min", **start).hits == 2
+    assert RecordedDecode.of({"arm": "edge0-exact", "decode_counters": {}}) is None
+    assert RecordedDecode.of(run | {"eviction_replay": {"capacity": 2}}) is None
 
 
 def optimum(trace: RoutingTrace, capacity: int) -> int:

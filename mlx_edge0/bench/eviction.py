@@ -275,6 +275,47 @@ def simulate(
     return CacheResult(policy, capacity, len(trace.tokens), accesses, hits, bundle_bytes)
 
 
+@dataclass(frozen=True)
+class RecordedDecode:
+    """A bench run's decode routing and the hot cache it began with (``edge0
+    bench`` keeps both), so the decode replays offline under any policy from
+    the runtime's own start.
+
+    Attributes:
+        trace: the decoded tokens' routing.
+        capacity: the hot cache's rows.
+        permanent: bundles never evicted (the prerouter's unowned layers).
+        resident: what the cache held when the timed decode began.
+        runtime_hit_rate: the share of the decode's routings the runtime
+            served from its cache (it also knew the prompt's and warm-up's
+            uses, which a replay from this start does not).
+    """
+
+    trace: RoutingTrace
+    capacity: int
+    permanent: frozenset[Key]
+    resident: list[Key]
+    runtime_hit_rate: float
+
+    @classmethod
+    def of(cls, run: Mapping) -> Optional["RecordedDecode"]:
+        """The recorded decode of one run of a results JSON's ``runs``, or
+        None for a run that kept no routing or no cache start (an arm without
+        a hot cache, an older record)."""
+        replay = run.get("eviction_replay", {})
+        if "routing" not in run or "resident_keys" not in replay:
+            return None
+        counters = run["decode_counters"]
+        served = counters["hot_hits"] + counters["hot_misses"]
+        return cls(
+            RoutingTrace(**run["routing"]),
+            replay["capacity"],
+            frozenset(tuple(k) for k in replay["permanent_keys"]),
+            [tuple(k) for k in replay["resident_keys"]],
+            counters["hot_hits"] / served if served else float("nan"),
+        )
+
+
 def ceiling(trace: RoutingTrace, permanent: AbstractSet[Key] = frozenset(), resident: Iterable[Key] = ()) -> float:
     """Hit rate of an unbounded cache: every routing but each expert's first
     (``permanent`` and ``resident`` experts are resident before theirs)."""
