@@ -12,7 +12,9 @@ bench's child process imports it), and prints the medians side by side:
 
 Each run's results are ``DIR/{old,new}-r{N}.json``; the table is also
 ``DIR/summary.json``. Runs already in DIR are kept (a stopped pair resumes;
-one with every run there prints its table again).
+one with every run there prints its table again); the bench options are
+written to ``DIR/pair.json`` before the first run, and a DIR made with other
+options is refused rather than mixed or relabelled.
 The runs start in the tree they import, so give paths in the bench options
 absolute (``$DATA`` is).
 """
@@ -114,6 +116,19 @@ def print_table(table: dict) -> None:
     print(f"new ÷ old decode tok/s: median {ratio['median']:.3f} (by round: {rounds})")
 
 
+def same_options(out: Path, bench_args: list[str]) -> None:
+    """Refuse a DIR whose runs were made with other bench options: resuming
+    it would mix two conditions in one table, reprinting it would relabel it."""
+    for name in ("pair.json", "summary.json"):
+        path = out / name
+        kept = json.loads(path.read_text()).get("bench_args") if path.is_file() else None
+        if kept is not None and kept != bench_args:
+            raise SystemExit(
+                f"{path}: its runs were made with bench options {' '.join(kept)!r}, not {' '.join(bench_args)!r};"
+                " give the same options, or another --out"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", type=Path, required=True, help="Source tree of the code before.")
@@ -128,6 +143,8 @@ def main() -> None:
         if not (tree / "mlx_edge0" / "__init__.py").is_file():
             raise SystemExit(f"{tree} is not a source tree of mlx-edge0 (no mlx_edge0/__init__.py)")
     a.out.mkdir(parents=True, exist_ok=True)
+    same_options(a.out, bench_args)
+    (a.out / "pair.json").write_text(json.dumps({"bench_args": bench_args}, indent=1) + "\n")
     todo = [(r, t) for r, t in order(a.rounds) if not (a.out / f"{t}-r{r}.json").is_file()]
     started = time.perf_counter()
     with bar(len(todo), "code pair", unit="run") as progress:
@@ -136,9 +153,11 @@ def main() -> None:
             run_one(a.old if tree == "old" else a.new, bench_args, a.out / f"{tree}-r{r}.json")
             progress.update()
     table = summarize(a.out, a.rounds)
-    (a.out / "summary.json").write_text(
-        json.dumps({"old": str(a.old), "new": str(a.new), "bench_args": bench_args, "table": table}, indent=1) + "\n"
-    )
+    summary = a.out / "summary.json"
+    # a reprint (no run made now) keeps the trees the runs were made from
+    trees = json.loads(summary.read_text()) if not todo and summary.is_file() else {}
+    trees = {"old": trees.get("old", str(a.old)), "new": trees.get("new", str(a.new))}
+    summary.write_text(json.dumps(trees | {"bench_args": bench_args, "table": table}, indent=1) + "\n")
     print_table(table)
     print(f"{len(todo)} runs in {time.perf_counter() - started:.0f} s; results: {a.out}")
 
