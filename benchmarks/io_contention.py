@@ -32,7 +32,7 @@ import numpy as np
 
 from mlx_edge0.bench.measure import drop_page_cache
 from mlx_edge0.checkpoint import Edge0Section, read_config
-from mlx_edge0.bench.runner import stats_of
+from mlx_edge0.bench.summary import stats_of
 
 MODES = ("alone", "buffered", "direct", "direct-in-place")
 LOADS_PER_TOKEN = 320

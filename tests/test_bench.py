@@ -187,7 +187,7 @@ def test_window_arms_decode_the_prerouter_arms_tokens_in_fewer_staged_rows():
     """``edge0-prerouter-window`` is the prerouter with a staged window: same
     tokens, fewer staged bytes (the default model has 5 prerouted layers);
     ``-auto`` records the depth its window grew to."""
-    from mlx_edge0.bench.runner import run_metrics
+    from mlx_edge0.bench.summary import run_metrics
     from mlx_edge0.default_model import default_checkpoint
 
     path = default_checkpoint()
@@ -220,7 +220,7 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     hits every routing but each expert's first, i.e. the trace's ceiling."""
     from mlx_edge0.bench.eviction import simulate
     from mlx_edge0.bench.locality import LocalitySummary, RoutingTrace
-    from mlx_edge0.bench.runner import run_metrics
+    from mlx_edge0.bench.summary import run_metrics
     from mlx_edge0.default_model import default_checkpoint
 
     r = run_child(RunSpec("edge0-hot@1", default_checkpoint(), 8, 6, "float32", 0), timeout_s=120)

@@ -29,7 +29,8 @@ from mlx_edge0.bench.arms import arm_base, arm_tier, parse_arm, split_arm, with_
 from mlx_edge0.bench.measure import RunSpec
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
 from mlx_edge0.bench.tables import agreement_note, arm_label
-from mlx_edge0.bench.runner import BenchOptions, run_bench, run_metrics, runs_to_make, summarize
+from mlx_edge0.bench.runner import BenchOptions, run_bench, runs_to_make
+from mlx_edge0.bench.summary import run_metrics, summarize
 from mlx_edge0.bench.suite import (
     SuiteOptions,
     check_suite_arm,

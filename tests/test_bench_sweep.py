@@ -15,7 +15,7 @@ from test_regime import skip_unless_available
 from mlx_edge0.bench.charts import CHART_W, PALETTE, Cell, grid_map
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.regime import Regime, own_cgroups
-from mlx_edge0.bench.runner import summarize
+from mlx_edge0.bench.summary import summarize
 from mlx_edge0.bench.sweep import SweepOptions, arm_summary, parse_grid, point_name, winner
 from mlx_edge0.bench.sweep_report import map_chart, write_sweep_report
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 from .charts import Bar, Point, hbar_chart, line_chart, stacked_hbar_chart
 from .arms import BUDGET_ARMS, TIER_MARK, WINDOW_ARMS, split_arm
-from .runner import summarize
+from .summary import summarize
 from .tables import (
     GIB,
     Table,

@@ -26,7 +26,8 @@ from typing import Callable, Iterable, Optional
 
 from ..progress import bar, note
 from .regime import Regime
-from .runner import BenchOptions, machine_info, options_dict, run_bench, runs_to_make, stats_of, write_json
+from .runner import BenchOptions, machine_info, options_dict, run_bench, runs_to_make, write_json
+from .summary import stats_of
 from .tables import median
 
 # A cap needs a cold page cache (pages cached before the run are charged to another cgroup).
@@ -135,7 +136,7 @@ class SweepOptions:
 
 
 def arm_summary(entry: dict, runs: list[dict]) -> dict:
-    """One arm at one point, from its :func:`runner.summarize` entry and its
+    """One arm at one point, from its :func:`summary.summarize` entry and its
     runs: decode tok/s (median, min, max), OOM kills, device bytes per decoded
     token, peak MLX memory and the cgroup's peak (page cache included)."""
     cgroups = [r["cgroup"] for r in runs if r["ok"] and r["arm"] == entry["arm"] and "cgroup" in r]

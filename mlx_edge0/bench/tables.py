@@ -1,7 +1,7 @@
 """Tables of benchmark results: one builder per table, rendered as Markdown or HTML.
 
 A table is headers plus rows of already formatted cells, built once from a
-results summary (``runner.summarize``) so the Markdown summary and the HTML
+results summary (``summary.summarize``) so the Markdown summary and the HTML
 report cannot disagree.
 """
 
