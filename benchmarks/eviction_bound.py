@@ -39,7 +39,14 @@ import json
 import statistics
 from pathlib import Path
 
-from mlx_edge0.bench.eviction import POPULARITY, RecordedDecode, ceiling, measured_popularity, simulate
+from mlx_edge0.bench.eviction import (
+    POPULARITY,
+    RecordedDecode,
+    ceiling,
+    measured_popularity,
+    recorded_decodes,
+    simulate,
+)
 from mlx_edge0.bench.locality import LocalitySummary
 from mlx_edge0.bench.synthetic_routing import CALIBRATED_35B_2GIB as SHAPE
 from mlx_edge0.bench.synthetic_routing import calibrate, generate_with_popularity
@@ -149,8 +156,10 @@ def main() -> None:
     if a.capacity < a.k * a.layers:
         raise SystemExit(f"--capacity {a.capacity} is below one token's routed sets ({a.k} x {a.layers} layers)")
     knobs = calibrate(a.experts, a.k, a.coverage90, a.reuse)
-    recorded = [(path, run, RecordedDecode.of(run)) for path in a.bench for run in json.loads(path.read_text())["runs"]]
-    recorded = [(path, run, decode) for path, run, decode in recorded if decode is not None]
+    try:
+        recorded = [(path, run, decode) for path in a.bench for run, decode in recorded_decodes(path)]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     runs, recorded_rows = [], []
     total = sum(token_counts) * len(seeds) + sum(len(d.trace.tokens) for _, _, d in recorded)
     with bar(total, "replayed tokens", unit="tok") as b:

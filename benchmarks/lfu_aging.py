@@ -28,7 +28,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from mlx_edge0.bench.eviction import RecordedDecode, simulate
+from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
 from mlx_edge0.bench.locality import RoutingTrace
 from mlx_edge0.bench.synthetic_routing import CALIBRATED_35B_2GIB, calibrate, generate
 from mlx_edge0.hot import LFU_AGING
@@ -69,8 +69,10 @@ def main() -> None:
     traces = [RoutingTrace.load(path) for path in a.trace]
     fractions = [float(f) for f in a.fractions.split(",")]
     rows = []
-    recorded = [(path, run, RecordedDecode.of(run)) for path in a.bench for run in json.loads(path.read_text())["runs"]]
-    runs = [(path, run, decode) for path, run, decode in recorded if decode is not None]
+    try:
+        runs = [(path, run, decode) for path in a.bench for run, decode in recorded_decodes(path)]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     jobs = len(traces) * len(fractions) + len(runs) + len(lengths) * len(SEEDS)
     with bar(jobs, "replays", unit="trace") as b:
         for path, run, decode in runs:

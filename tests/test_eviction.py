@@ -19,6 +19,7 @@ from mlx_edge0.bench.eviction import (
     ceiling,
     compare,
     measured_popularity,
+    recorded_decodes,
     simulate,
 )
 from mlx_edge0.bench.locality import RoutingTrace
@@ -182,6 +183,24 @@ def test_a_recorded_decode_replays_from_its_json_record():
     assert simulate(decode.trace, decode.capacity, "min", **start).hits == 2
     assert RecordedDecode.of({"arm": "edge0-exact", "decode_counters": {}}) is None
     assert RecordedDecode.of(run | {"eviction_replay": {"capacity": 2}}) is None
+
+
+def test_a_results_file_gives_its_recorded_decodes_or_a_clear_error(tmp_path):
+    t = one_layer([1, 0, 2, 0], 3)
+    run = {
+        "routing": t.as_dict(),
+        "eviction_replay": {"capacity": 2, "permanent_keys": [], "resident_keys": [[0, 0]]},
+        "decode_counters": {"hot_hits": 1, "hot_misses": 3},
+    }
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"runs": [run, {"arm": "stock", "ok": False}]}))
+    [(kept, decode)] = recorded_decodes(results)
+    assert kept == json.loads(json.dumps(run)) and decode.resident == [(0, 0)] and decode.runtime_hit_rate == 0.25
+    for bad, text in ((tmp_path / "missing.json", None), (tmp_path / "other.json", "[1, 2]")):
+        if text is not None:
+            bad.write_text(text)
+        with pytest.raises(ValueError, match=f"{bad.name}: not an edge0 bench results file"):
+            recorded_decodes(bad)
 
 
 def optimum(trace: RoutingTrace, capacity: int) -> int:

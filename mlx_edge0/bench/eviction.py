@@ -42,7 +42,9 @@ policy; :func:`ceiling` is the hit rate of an unbounded cache.
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
 from ..hot import LFU_AGING, POLICIES, FrequencyPolicy, LRUPolicy, plan_fill
@@ -314,6 +316,20 @@ class RecordedDecode:
             [tuple(k) for k in replay["resident_keys"]],
             counters["hot_hits"] / served if served else float("nan"),
         )
+
+
+def recorded_decodes(path: Path) -> list[tuple[dict, RecordedDecode]]:
+    """The runs of an ``edge0 bench`` results file that recorded their decode,
+    each with it.
+
+    Raises:
+        ValueError: ``path`` is not a readable results JSON (named in the message).
+    """
+    try:
+        runs = json.loads(Path(path).read_text())["runs"]
+        return [(run, decode) for run in runs if (decode := RecordedDecode.of(run)) is not None]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not an edge0 bench results file with recorded runs ({e!r})") from None
 
 
 def ceiling(trace: RoutingTrace, permanent: AbstractSet[Key] = frozenset(), resident: Iterable[Key] = ()) -> float:
