@@ -14,6 +14,9 @@ available (``hot_policy="lru"``) for comparison. Permanent bundles (:meth:`HotCa
 with the prerouter, the layers no owner predicts) are never a victim. A prompt
 read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_experts`),
 copied from the rows it read, so the decode that follows starts from them.
+With ``lookahead`` the hot path reads the next layer's likely experts in
+ahead of its call (:meth:`HotCache.start_prefetch`); rows still being written
+are never a victim.
 """
 
 from __future__ import annotations
@@ -152,15 +155,21 @@ class HotCache:
         self.free = list(range(capacity))
         self.policy = POLICIES[policy](capacity)
         self.permanent: set[Key] = set()
+        self.prefetch: Optional[PendingFetch] = None  # reads started ahead, not yet waited for
+        self.read_ahead: set[Key] = set()  # what prefetches read for calls still to come
 
     @property
     def nbytes(self) -> int:
         return self.buffers.nbytes
 
-    def _make_room(self, keys: list[Key]) -> dict[Key, int]:
+    def _unevictable(self) -> set[Key]:
+        """Permanent bundles, and those whose prefetch reads may still be writing."""
+        return (self.permanent | set(self.prefetch.placed)) if self.prefetch else self.permanent
+
+    def _make_room(self, keys: list[Key], keep: AbstractSet[Key] = frozenset()) -> dict[Key, int]:
         """Rows for the keys of ``keys`` that are not resident (free rows, then
-        victims); the victims are forgotten at once."""
-        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, self.permanent)
+        victims other than ``keep``); the victims are forgotten at once."""
+        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, self._unevictable() | keep)
         for k in evicted:
             del self.row_of[k]
             self.policy.forget(k)
@@ -202,7 +211,8 @@ class HotCache:
         placed = dict(zip(wanted, self.free))
         self.free = self.free[len(placed) :]
         rest = wanted[len(placed) :]
-        candidates = [k for k in self.row_of if k not in self.permanent] if rest else []
+        unevictable = self._unevictable()
+        candidates = [k for k in self.row_of if k not in unevictable] if rest else []
         for k, victim in zip(rest, self.policy.victims(candidates, len(rest))):
             if self.policy.priority(victim) >= self.policy.priority(k):
                 break  # victims only rank higher from here on
@@ -251,7 +261,10 @@ class HotCache:
         keys = [(layer, int(e)) for e in ids]
         stats = self.store.telemetry.current
         placed = self._make_room(keys)
-        stats.hot_hits += len(keys) - len(placed)
+        read_ahead = len(self.read_ahead.intersection(keys))
+        self.read_ahead = {k for k in self.read_ahead if k[0] != layer}  # this was the call they were for
+        stats.hot_hits += len(keys) - len(placed) - read_ahead
+        stats.lookahead_hits += read_ahead
         stats.hot_misses += len(placed)
         reads = None
         if placed:
@@ -276,6 +289,51 @@ class HotCache:
                 raise
         self.row_of.update(pending.placed)
         self.policy.touch(pending.keys)
+
+    def start_prefetch(self, layer: int, ids: Sequence[int], keep: AbstractSet[Key] = frozenset()) -> int:
+        """Start reading experts ``ids`` of ``layer`` that are not resident, for
+        a call of ``layer`` that has not routed yet, into free rows or victims
+        other than ``keep`` (the calling layer's routed set, whose compute may
+        still read its rows). They count as resident at once; their reads land
+        by :meth:`finish_prefetch`, which must come before anything computes
+        from them or another prefetch starts; until then their rows are no
+        victim. Nothing is read when they do not fit. Returns the bundles started."""
+        if self.prefetch is not None:
+            raise RuntimeError("finish_prefetch before starting another prefetch")
+        keys = [(layer, int(e)) for e in ids if (layer, int(e)) not in self.row_of]
+        try:
+            placed = self._make_room(keys, keep) if keys else {}
+        except ValueError:  # more than the rows not routed now: not worth a read
+            return 0
+        if not placed:
+            return 0
+        misses = list(placed)
+        try:
+            reads = self.store.submit(layer, [e for _, e in misses], [placed[k] for k in misses], self.buffers)
+        except BaseException:
+            self.free.extend(placed.values())
+            raise
+        self.row_of.update(placed)
+        self.prefetch = PendingFetch(misses, placed, reads, np.array(list(placed.values()), dtype=np.int64))
+        self.read_ahead = set(misses)
+        self.store.telemetry.current.lookahead_read += len(placed)
+        return len(placed)
+
+    def finish_prefetch(self) -> None:
+        """Wait for :meth:`start_prefetch`'s reads (none: return at once). A
+        failed read is raised here, its bundles no longer resident."""
+        pending, self.prefetch = self.prefetch, None
+        if pending is None:
+            return
+        try:
+            pending.reads.wait()
+        except BaseException:
+            for key, row in pending.placed.items():  # rows hold garbage now: free, not resident
+                del self.row_of[key]
+                self.policy.forget(key)
+                self.free.append(row)
+            self.read_ahead = set()
+            raise
 
 
 @dataclass

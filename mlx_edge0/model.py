@@ -111,7 +111,7 @@ class Edge0Model:
                 source=self.edge0_runtime,
                 num_experts_per_tok=self.edge0_runtime.k_of[i],
             )
-        self.edge0_runtime.attach(self._routes())
+        self.edge0_runtime.attach(self._routes(), self._gates())
         # Adapters wrap their (still unquantized) targets now; ``sanitize``
         # renames the base tensors under them, and mlx-lm quantizes and loads
         # the whole tree strictly as usual.
@@ -126,6 +126,9 @@ class Edge0Model:
 
     def _routes(self) -> dict:
         return {block.layer: block.route for block in self._blocks()}
+
+    def _gates(self) -> dict:
+        return {block.layer: block.router_logits for block in self._blocks()}
 
     def shard(self, group: Optional[Any] = None) -> None:
         """mlx-lm's tensor-parallel hook, which its ``sharded_load`` calls
@@ -146,7 +149,7 @@ class Edge0Model:
         )
         for block in self._blocks():
             block.source = runtime
-        runtime.attach(self._routes())
+        runtime.attach(self._routes(), self._gates())
         self.edge0_runtime = runtime
         self.edge0_vocab = split_vocabulary(self, *self.vocab_paths, group)
 

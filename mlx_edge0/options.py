@@ -93,6 +93,14 @@ class Options:
             cache never holds more than all the experts, so a budget above
             their size allocates their size.
         hot_policy: "lfu" (frequency with aging) or "lru".
+        lookahead: on the hot path, while a layer computes, read into the
+            hot cache the experts the next MoE layer's own router picks from
+            this layer's input (most tokens route alike in adjacent layers),
+            so the next layer's misses are on their way before it routes. The
+            routing never changes: the outputs are bit-identical. Only where
+            the hot path decodes: with the prerouter off (its prerouted layers
+            read ahead already), not staged, in one process; wrong picks cost
+            their reads and a row each.
         staged: decode through per-layer staged slots (one buffer of K rows each).
         staged_slots: slots per staged buffer (0 = the layer's K, one routed
             set); at most the number of experts.
@@ -145,6 +153,7 @@ class Options:
         "auto", "Hot expert cache budget in GiB ('auto': from available memory; 0: off).", parse=parse_cache_gib
     )
     hot_policy: str = _option("lfu", choices=HOT_POLICIES)
+    lookahead: bool = _option(False, "Read the next layer's likely experts into the hot cache while a layer computes.")
     staged: bool = _option(False, "Decode through per-layer staged slots.")
     staged_slots: int = _option(0, "Slots per staged buffer (0 = K).")
     staged_window: Union[int, str] = _option(

@@ -6,7 +6,9 @@ weights they hand it (and so in what they read and when):
 - ``ExactPath``: read the union of routed experts into one reused set of K
   rows (fresh buffers for a larger union, e.g. a prompt chunk).
 - ``HotPath``: gather from the hot cache's rows, reading misses into it
-  (the exact path for a routed set larger than the cache).
+  (the exact path for a routed set larger than the cache); with a
+  :class:`NextLayerRouting` it also starts reading what the next layer will
+  likely route.
 - ``StagedPath``: fill this layer's staging buffer, gather via the
   device-side slot table (a routed set larger than the buffer goes to the
   decode fallback: hot or exact).
@@ -20,7 +22,7 @@ token count and the options (:meth:`StreamingRuntime.path`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -87,24 +89,75 @@ class ExactPath:
         return self.scratch.compute(x, local, self.compute_dtype)
 
 
+class NextLayerRouting:
+    """The lookahead's guess of the next MoE layer's routing: that layer's own
+    router and routing math applied to this layer's input. Adjacent layers'
+    inputs differ by one residual update, so most of a token's experts are
+    the same; the guess only decides what is read early, never the routing.
+
+    Args:
+        layers: the MoE layers in order (each one's guess is for the next).
+        gates: layer -> its router (input ``[B, L, D]`` -> logits).
+        routes: layer -> its routing math (logits -> indices, scores).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        gates: dict[int, Callable[[mx.array], mx.array]],
+        routes: dict[int, Callable[[mx.array], tuple[mx.array, mx.array]]],
+    ):
+        self.next_of = dict(zip(layers, layers[1:]))
+        self.gates = gates
+        self.routes = routes
+
+    def guess(self, layer: int, x: mx.array) -> Optional[tuple[int, mx.array]]:
+        """(next layer, its guessed indices ``[B, L, K]``), unevaluated; None after the last."""
+        following = self.next_of.get(layer)
+        if following is None:
+            return None
+        return following, self.routes[following](self.gates[following](x))[0]
+
+
 class HotPath:
     name = "hot"
 
-    def __init__(self, hot: HotCache, exact: ExactPath, telemetry: Telemetry, compute_dtype: Optional[mx.Dtype]):
+    def __init__(
+        self,
+        hot: HotCache,
+        exact: ExactPath,
+        telemetry: Telemetry,
+        compute_dtype: Optional[mx.Dtype],
+        lookahead: Optional[NextLayerRouting] = None,
+    ):
         self.hot = hot
         self.exact = exact
         self.telemetry = telemetry
         self.compute_dtype = compute_dtype
+        self.lookahead = lookahead
 
     def begin(self, layer: int) -> None:
         pass
 
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        return self.from_union(layer, x, inds, routed_union(layer, inds, self.telemetry))
+        guess = self.lookahead.guess(layer, x) if self.lookahead is not None else None
+        if guess is not None:
+            mx.eval(inds, guess[1])  # the one host sync this call makes anyway
+        union = routed_union(layer, inds, self.telemetry)
+        return self.from_union(layer, x, inds, union, guess)
 
-    def from_union(self, layer: int, x: mx.array, inds: mx.array, union: Union) -> mx.array:
+    def from_union(
+        self, layer: int, x: mx.array, inds: mx.array, union: Union, guess: Optional[tuple[int, mx.array]] = None
+    ) -> mx.array:
+        """The experts of a routing whose union is on the host; ``guess``: the
+        next layer and its likely indices, whose misses start reading into the
+        hot cache behind this call's (:class:`NextLayerRouting`)."""
         ids, local = union
+        self.hot.finish_prefetch()  # what an earlier call read ahead has landed
         pending = self.hot.start_fetch(layer, ids)
+        if guess is not None:
+            following, likely = guess
+            self.hot.start_prefetch(following, np.unique(np.array(likely)), keep={(layer, int(e)) for e in ids})
         if pending is None:  # the routed set is larger than the whole cache
             return self.exact.from_union(layer, x, inds, union)
         rows, missed = pending.rows[local], pending.missed[local]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -32,7 +32,7 @@ from .checkpoint import RESIDENT_FILE, Edge0Section
 from .hot import HotCache, hot_capacity, permanent_fits
 from .options import MIN_STAGED_WINDOW, Options
 from .parallel import ExpertShard
-from .paths import ExactPath, HotPath, StagedPath, WholeLayerPath
+from .paths import ExactPath, HotPath, NextLayerRouting, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
 from .prerouter_heads import load_heads
 from .prerouting import Plan, Prerouting, Route, grown_window
@@ -162,14 +162,22 @@ class StreamingRuntime:
         )
         self.whole_layer = WholeLayerPath(self.loader, dtype, self.hot)
         self.first_layer = layers[0]
+        self.layers = layers
+        # The hot path's lookahead needs every MoE call of a decode step on it: no
+        # prerouted layers (they read ahead already), no staged path, one process.
+        hot_decode = isinstance(self.decode, HotPath)
+        self.lookahead = options.lookahead and hot_decode and not consumer_of and shard is None
         self.prerouting: Optional[Prerouting] = None  # made by ``attach``
         # Set inside ``training_forward``: the expert source of the
         # whole-sequence training forward (mlx_edge0.train.student).
         self.training_source: Optional[ExpertSource] = None
 
-    def attach(self, routes: dict[int, Route]) -> None:
-        """Give the prerouter each MoE layer's routing math (layer -> the
-        block's ``route``); with the prerouter on, this makes it."""
+    def attach(self, routes: dict[int, Route], gates: dict[int, Callable[[mx.array], mx.array]]) -> None:
+        """Give the runtime each MoE layer's routing math and router (layer ->
+        the block's ``route``, ``router_logits``): with the prerouter on, this
+        makes it; with ``lookahead``, the hot path's guess of the next layer."""
+        if self.lookahead:
+            self.decode_fallback.lookahead = NextLayerRouting(self.layers, gates, routes)
         if self.consumer_of:
             self.prerouting = Prerouting(
                 self.heads,
@@ -307,6 +315,7 @@ class StreamingRuntime:
             "peak_memory": mx.get_peak_memory(),
             "decode_path": self.decode.name,
             "prerouter": self.prerouting is not None,
+            "lookahead": self.lookahead,
             "staged_window": len(self.window),
         }
 

@@ -29,9 +29,15 @@ class Stats:
             layers' fills (what a deeper staged window would hide).
         step_s: wall time from a step's opening to the next one's (the host's
             work between forwards included); 0 while the step is open.
-        hot_hits / hot_misses: routed experts found / not found in the hot cache.
+        hot_hits / hot_misses: routed experts found / not found in the hot cache
+            (a bundle read ahead for the call counts in ``lookahead_hits``).
         hot_overlapped: hot-path calls of one token that computed its resident
             experts while its misses were read.
+        lookahead_read: expert bundles read into the hot cache for the next
+            layer before it routed (``lookahead``: its router on this layer's
+            input); their loads and bytes count once the next layer waits.
+        lookahead_hits: routed experts found in the hot cache because they were
+            read ahead for this call (neither ``hot_hits`` nor ``hot_misses``).
         staged_kept / staged_copied / staged_read: slots of staging buffers
             already holding the expert, filled by copying a resident bundle,
             filled from disk; ``slot_rewrites`` = copied + read.
@@ -56,6 +62,8 @@ class Stats:
     hot_hits: int = 0
     hot_misses: int = 0
     hot_overlapped: int = 0
+    lookahead_read: int = 0
+    lookahead_hits: int = 0
     staged_kept: int = 0
     staged_copied: int = 0
     staged_read: int = 0
@@ -129,8 +137,8 @@ def format_stats(stats: dict) -> str:
     ``--json`` prints the dict itself)."""
     from .checkpoint import human_bytes
 
-    hits, misses = stats["hot_hits"], stats["hot_misses"]
-    hit_rate = f" ({100 * hits / (hits + misses):.0f}% hits)" if hits + misses else ""
+    hits, misses, ahead = stats["hot_hits"], stats["hot_misses"], stats["lookahead_hits"]
+    hit_rate = f" ({100 * hits / (hits + misses + ahead):.0f}% hits)" if hits + misses + ahead else ""
     resident = ", ".join(f"{name.replace('_', ' ')} {human_bytes(n)}" for name, n in stats["resident_bytes"].items())
     last = stats["last_step"]
     lines = [
@@ -142,6 +150,7 @@ def format_stats(stats: dict) -> str:
         "on the last step",
         f"  hot cache       {hits} hits, {misses} misses{hit_rate}, {stats['prompt_copied']} copied from prompts, "
         f"{stats['hot_overlapped']} calls computed hits while reading misses",
+        f"  read ahead      {stats['lookahead_read']} experts for the next layer, {ahead} of them routed there",
         f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
         f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",
         f"  prerouted       {stats['prerouted']} layer calls, {stats['prerouted_wait_ms']:.1f} ms exposed wait, "

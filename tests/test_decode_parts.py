@@ -15,7 +15,7 @@ from mlx_lm.models.cache import ArraysCache
 from fakes import FakeStore
 from mlx_edge0.expert_math import expert_glu
 from mlx_edge0.hot import HotCache, permanent_fits
-from mlx_edge0.paths import ExactPath, HotPath, StagedPath, WholeLayerPath
+from mlx_edge0.paths import ExactPath, HotPath, NextLayerRouting, StagedPath, WholeLayerPath
 from mlx_edge0.prefill import WholeLayerLoader
 from mlx_edge0.prerouting import (
     HOST_AHEAD,
@@ -145,6 +145,73 @@ def test_an_error_while_the_hits_are_built_still_settles_the_misses(monkeypatch)
     assert set(hot.hot.row_of) == {(1, 2), (1, 7), (1, 4)} and len(hot.hot.free) == 1
     inds = mx.array([[[4, 7]]], mx.uint32)
     assert mx.array_equal(hot.experts(1, x, inds), expert_glu(x, inds, store.weights(1))).item()
+
+
+def _guessing(store, guesses: dict[int, list[int]]) -> NextLayerRouting:
+    """A lookahead whose guess for layer ``l`` is ``guesses[l]`` (the gate
+    ranks those experts first, whatever the input)."""
+
+    def gate(layer):
+        logits = np.zeros(store.geometry.num_experts, np.float32)
+        logits[guesses.get(layer, [])] = [10.0 - i for i in range(len(guesses.get(layer, [])))]
+        return lambda x: mx.broadcast_to(mx.array(logits), (*x.shape[:-1], len(logits)))
+
+    return NextLayerRouting(LAYERS, {layer: gate(layer) for layer in LAYERS}, {layer: route for layer in LAYERS})
+
+
+def test_lookahead_reads_the_next_layers_guess_behind_the_calls_own_misses():
+    """With a lookahead the hot path starts reading the next layer's guessed
+    misses (not urgent) after its own; the next layer finds them resident,
+    counted as ``lookahead_hits``, and computes exactly its routed experts."""
+    store = FakeStore(LAYERS)
+    exact, hot, _, _ = _paths(store, hot_rows=6)
+    hot.lookahead = _guessing(store, {1: [3, 4], 2: [5, 6], 3: [0, 1]})
+    s = store.telemetry.current
+    x = _x(store, 1, 1)
+    for layer, inds in ((0, [[[1, 5]]]), (1, [[[6, 3]]])):
+        inds = mx.array(inds, mx.uint32)
+        assert mx.array_equal(hot.experts(layer, x, inds), expert_glu(x, inds, store.weights(layer))).item()
+    assert store.submitted == [(0, [1, 5], True), (1, [3, 4], False), (1, [6], True), (2, [5, 6], False)]
+    assert (s.hot_hits, s.hot_misses, s.lookahead_hits, s.lookahead_read) == (0, 3, 1, 4)
+    assert s.expert_loads == 5  # the layer-2 guess lands by the next call
+    inds = mx.array([[[2, 6]]], mx.uint32)
+    assert mx.array_equal(hot.experts(2, x, inds), expert_glu(x, inds, store.weights(2))).item()
+    assert (s.lookahead_hits, s.expert_loads) == (2, 8) and hot.hot.prefetch is not None
+    assert store.submitted[-2:] == [(2, [2], True), (3, [0, 1], False)]
+
+
+def test_rows_being_read_ahead_are_never_a_victim():
+    """Until :meth:`HotCache.finish_prefetch`, a prefetch's rows are out of
+    every victim choice; a guess that needs the calling layer's own rows is
+    not read at all."""
+    store = FakeStore(LAYERS)
+    hot = HotCache(store, 4, None)
+    hot.fetch(0, [1, 2])
+    assert hot.start_prefetch(1, [3, 4], keep={(0, 1), (0, 2)}) == 2
+    with pytest.raises(RuntimeError, match="finish_prefetch"):
+        hot.start_prefetch(2, [1])
+    hot.fetch(2, [5, 6])  # two victims: only layer 0's rows may go
+    assert set(hot.row_of) == {(1, 3), (1, 4), (2, 5), (2, 6)}
+    hot.finish_prefetch()
+    assert hot.start_prefetch(3, [1, 2, 7], keep=set(hot.row_of) - {(1, 3)}) == 0  # 3 misses, 1 spare row
+    assert store.submitted[-1] == (2, [5, 6], True)
+
+
+def test_a_failed_read_ahead_is_raised_by_the_next_call_and_leaves_nothing_resident():
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=6)
+    hot.lookahead = _guessing(store, {1: [3, 4]})
+    x = _x(store, 1, 1)
+    store.fail = ExpertReadError("layer_001.safetensors: read failed")
+    with pytest.raises(ExpertReadError):  # its own misses, then the guess for layer 1, fail
+        hot.experts(0, x, mx.array([[[1, 5]]], mx.uint32))
+    store.fail = None
+    with pytest.raises(ExpertReadError):
+        hot.experts(1, x, mx.array([[[7, 2]]], mx.uint32))
+    assert not {(1, 3), (1, 4)} & set(hot.hot.row_of) and len(hot.hot.free) == 6
+    inds = mx.array([[[3, 2]]], mx.uint32)
+    assert mx.array_equal(hot.experts(1, x, inds), expert_glu(x, inds, store.weights(1))).item()
+    assert store.submitted[-2] == (1, [2, 3], True) and store.telemetry.current.read_errors == 2
 
 
 def test_permanent_experts_are_read_once_and_never_evicted():

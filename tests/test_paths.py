@@ -32,6 +32,7 @@ TINY_BUNDLE_GIB = 13824 / 2**30  # one tiny-model expert bundle (bf16 scales)
 PATHS = {
     "exact": dict(cache_gib=0, staged=False, prefill="exact"),
     "hot": dict(cache_gib=40 * TINY_BUNDLE_GIB, staged=False, prefill="exact"),
+    "hot+lookahead": dict(cache_gib=40 * TINY_BUNDLE_GIB, staged=False, prefill="exact", lookahead=True),
     "staged": dict(cache_gib=0, staged=True, prefill="exact"),
     "staged+hot": dict(cache_gib=20 * TINY_BUNDLE_GIB, staged=True, prefill="exact"),
     "whole-layer": dict(cache_gib=0, staged=False, prefill="whole-layer"),
@@ -137,8 +138,12 @@ def test_greedy_64_tokens_identical_on_every_path(converted, family):
         model = mlx_edge0.load_model(c.edge0, **options)
         assert greedy(model, ids) == want, name
         stats = model.stats()
-        if name == "hot":  # real reads landing while the resident experts compute
+        if name.startswith("hot"):  # real reads landing while the resident experts compute
             assert stats["hot_hits"] > 0 and stats["hot_misses"] > 0 and stats["hot_overlapped"] > 0
+        # the next layer's likely experts read ahead, most of them routed there
+        assert stats["lookahead"] == (name == "hot+lookahead")
+        if name == "hot+lookahead":
+            assert 0 < stats["lookahead_hits"] <= stats["lookahead_read"], stats
         if name.startswith("staged"):
             assert stats["staged_kept"] + stats["slot_rewrites"] > 0
             assert stats["staged_fallbacks"] == 0

@@ -308,7 +308,7 @@ class RecordedDecode:
         if "routing" not in run or "resident_keys" not in replay:
             return None
         counters = run["decode_counters"]
-        served = counters["hot_hits"] + counters["hot_misses"]
+        served = counters["hot_hits"] + counters["hot_misses"] + counters.get("lookahead_hits", 0)
         return cls(
             RoutingTrace(**run["routing"]),
             replay["capacity"],
