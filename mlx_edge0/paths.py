@@ -6,9 +6,9 @@ weights they hand it (and so in what they read and when):
 - ``ExactPath``: read the union of routed experts into one reused set of K
   rows (fresh buffers for a larger union, e.g. a prompt chunk).
 - ``HotPath``: gather from the hot cache's rows, reading misses into it
-  (the exact path for a routed set larger than the cache); with a
-  :class:`NextLayerRouting` it also starts reading what the next layer will
-  likely route.
+  (the exact path for a routed set larger than the cache); for a prompt
+  chunk, with a :class:`NextLayerRouting`, it also starts reading what the
+  next layer will likely route.
 - ``StagedPath``: fill this layer's staging buffer, gather via the
   device-side slot table (a routed set larger than the buffer goes to the
   decode fallback: hot or exact).
@@ -116,10 +116,7 @@ class NextLayerRouting:
         following = self.next_of.get(layer)
         if following is None:
             return None
-        inds, scores = self.routes[following](self.gates[following](x))
-        keep = max(1, inds.shape[-1] // 2)  # the surest half: later ranks are wrong more often than right
-        top = mx.argsort(-scores, axis=-1)[..., :keep]
-        return following, mx.take_along_axis(inds, top, axis=-1)
+        return following, self.routes[following](self.gates[following](x))[0]
 
 
 class HotPath:
@@ -143,7 +140,10 @@ class HotPath:
         pass
 
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        guess = self.lookahead.guess(layer, x) if self.lookahead is not None else None
+        # Prompt chunks only: in decode the guesses' wasted reads cost more
+        # than the overlap gains (BENCHMARKS.md, "Reading the next layer's guess ahead").
+        chunk = x.shape[1] > 1
+        guess = self.lookahead.guess(layer, x) if self.lookahead is not None and chunk else None
         if guess is not None:
             mx.eval(inds, guess[1])  # the one host sync this call makes anyway
         union = routed_union(layer, inds, self.telemetry)

@@ -163,10 +163,11 @@ class StreamingRuntime:
         self.whole_layer = WholeLayerPath(self.loader, dtype, self.hot)
         self.first_layer = layers[0]
         self.layers = layers
-        # The hot path's lookahead needs every MoE call of a decode step on it: no
-        # prerouted layers (they read ahead already), no staged path, one process.
-        hot_decode = isinstance(self.decode, HotPath)
-        self.lookahead = options.lookahead and hot_decode and not consumer_of and shard is None
+        # The hot path's lookahead guesses with the next layer's gate: not where that
+        # layer routes by the prerouter's prediction; and in one process (a rank reads
+        # only its experts).
+        hot_path = isinstance(self.decode_fallback, HotPath)
+        self.lookahead = options.lookahead and hot_path and not consumer_of and shard is None
         self.prerouting: Optional[Prerouting] = None  # made by ``attach``
         # Set inside ``training_forward``: the expert source of the
         # whole-sequence training forward (mlx_edge0.train.student).

@@ -159,25 +159,30 @@ def _guessing(store, guesses: dict[int, list[int]]) -> NextLayerRouting:
     return NextLayerRouting(LAYERS, {layer: gate(layer) for layer in LAYERS}, {layer: route for layer in LAYERS})
 
 
-def test_lookahead_reads_the_next_layers_guess_behind_the_calls_own_misses():
-    """With a lookahead the hot path starts reading the surer half of the next
-    layer's guessed misses (not urgent) after its own; the next layer finds them resident,
-    counted as ``lookahead_hits``, and computes exactly its routed experts."""
+def test_lookahead_reads_the_next_layers_guess_behind_a_chunks_own_misses():
+    """With a lookahead a prompt chunk on the hot path starts reading the next
+    layer's guessed misses (not urgent) after its own; the next layer finds
+    them resident, counted as ``lookahead_hits``, and computes exactly its
+    routed experts. A decode step (one token) never guesses."""
     store = FakeStore(LAYERS)
     exact, hot, _, _ = _paths(store, hot_rows=6)
     hot.lookahead = _guessing(store, {1: [3, 4], 2: [5, 6], 3: [0, 1]})
     s = store.telemetry.current
-    x = _x(store, 1, 1)
-    for layer, inds in ((0, [[[1, 5]]]), (1, [[[6, 3]]])):
+    x = _x(store, 1, 2)
+    for layer, inds in ((0, [[[1, 5], [5, 1]]]), (1, [[[6, 3], [3, 6]]])):
         inds = mx.array(inds, mx.uint32)
         assert mx.array_equal(hot.experts(layer, x, inds), expert_glu(x, inds, store.weights(layer))).item()
-    assert store.submitted == [(0, [1, 5], True), (1, [3], False), (1, [6], True), (2, [5], False)]
-    assert (s.hot_hits, s.hot_misses, s.lookahead_hits, s.lookahead_read) == (0, 3, 1, 2)
-    assert s.expert_loads == 4  # the layer-2 guess lands by the next call
-    inds = mx.array([[[5, 2]]], mx.uint32)
+    assert store.submitted == [(0, [1, 5], True), (1, [3, 4], False), (1, [6], True), (2, [5, 6], False)]
+    assert (s.hot_hits, s.hot_misses, s.lookahead_hits, s.lookahead_read) == (0, 3, 1, 4)
+    assert s.expert_loads == 5  # the layer-2 guess lands by the next call
+    inds = mx.array([[[2, 6], [6, 5]]], mx.uint32)
     assert mx.array_equal(hot.experts(2, x, inds), expert_glu(x, inds, store.weights(2))).item()
-    assert (s.lookahead_hits, s.expert_loads) == (2, 6) and hot.hot.prefetch is not None
-    assert store.submitted[-2:] == [(2, [2], True), (3, [0], False)]
+    assert (s.lookahead_hits, s.expert_loads) == (3, 8) and hot.hot.prefetch is not None
+    assert store.submitted[-2:] == [(2, [2], True), (3, [0, 1], False)]
+    one = _x(store, 1, 1)
+    inds = mx.array([[[0, 7]]], mx.uint32)
+    assert mx.array_equal(hot.experts(3, one, inds), expert_glu(one, inds, store.weights(3))).item()
+    assert store.submitted[-1] == (3, [7], True) and s.lookahead_read == 6  # no guess for layer 4
 
 
 def test_rows_being_read_ahead_are_never_a_victim():
@@ -201,15 +206,15 @@ def test_a_failed_read_ahead_is_raised_by_the_next_call_and_leaves_nothing_resid
     store = FakeStore(LAYERS)
     _, hot, _, _ = _paths(store, hot_rows=6)
     hot.lookahead = _guessing(store, {1: [3, 4]})
-    x = _x(store, 1, 1)
+    x = _x(store, 1, 2)
     store.fail = ExpertReadError("layer_001.safetensors: read failed")
     with pytest.raises(ExpertReadError):  # its own misses, then the guess for layer 1, fail
-        hot.experts(0, x, mx.array([[[1, 5]]], mx.uint32))
+        hot.experts(0, x, mx.array([[[1, 5], [5, 1]]], mx.uint32))
     store.fail = None
     with pytest.raises(ExpertReadError):
-        hot.experts(1, x, mx.array([[[7, 2]]], mx.uint32))
+        hot.experts(1, x, mx.array([[[7, 2], [2, 7]]], mx.uint32))
     assert not {(1, 3), (1, 4)} & set(hot.hot.row_of) and len(hot.hot.free) == 6
-    inds = mx.array([[[3, 2]]], mx.uint32)
+    inds = mx.array([[[3, 2], [2, 3]]], mx.uint32)
     assert mx.array_equal(hot.experts(1, x, inds), expert_glu(x, inds, store.weights(1))).item()
     assert store.submitted[-2] == (1, [2, 3], True) and store.telemetry.current.read_errors == 2
 

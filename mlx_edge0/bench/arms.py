@@ -1,8 +1,8 @@
 """The bench's arms: their names, and what each loads with.
 
 An arm is ``ARM[+PAGE_CACHE][@GiB][/kK]``: ``stock`` (mlx-lm, resident), an
-edge0 path (``edge0-exact``, ``edge0-hot``, ``edge0-hot-lookahead``,
-``edge0-staged``, the prerouter and its windows) with an optional page-cache policy, hot-cache budget and K tier,
+edge0 path (``edge0-exact``, ``edge0-hot``, ``edge0-staged``, the prerouter and
+its windows) with an optional page-cache policy, hot-cache budget and K tier,
 or a llama.cpp peer (``llamacpp``, ``llamacpp-direct``) run on ``STOCK.gguf``.
 A K tier arm (``edge0-prerouter+bypass/k4``) runs the prerouted layers at K on
 ``EDGE0-kK``, a copy of the checkpoint whose heads are for that K
@@ -20,17 +20,14 @@ STAGED_WINDOW = 4  # the window arm's buffers: reads about two prerouted layers 
 PEER_ARMS = {"llamacpp": "mmap", "llamacpp-direct": "direct-io"}
 TIER_MARK = "/k"  # ARM/k4: the K tier, last in an arm's name
 WINDOW_ARMS = ("edge0-prerouter-window", "edge0-prerouter-window-auto")
-LOOKAHEAD_ARM = "edge0-hot-lookahead"
-KNOWN_ARMS = ARMS + (LOOKAHEAD_ARM,) + WINDOW_ARMS + tuple(PEER_ARMS)
-BUDGET_ARMS = ("edge0-hot", LOOKAHEAD_ARM, "edge0-staged", "edge0-prerouter", *WINDOW_ARMS)
+KNOWN_ARMS = ARMS + WINDOW_ARMS + tuple(PEER_ARMS)
+BUDGET_ARMS = ("edge0-hot", "edge0-staged", "edge0-prerouter", *WINDOW_ARMS)
 # Load options per edge0 arm. Staged uses the routing of the current step; the window
 # arms are the prerouter with STAGED_WINDOW shared staged buffers or an "auto" window (a
-# run records its final depth); the lookahead arm is the hot one reading the next layer's
-# likely experts ahead; hot, staged and the prerouter arms take a budget: ARM@GiB.
+# run records its final depth); hot, staged and the prerouter arms take a budget: ARM@GiB.
 ARM_OPTIONS = {
     "edge0-exact": dict(cache_gib=0, staged=False, prefill="exact", prerouter=False),
     "edge0-hot": dict(staged=False, prefill="auto", prerouter=False),
-    LOOKAHEAD_ARM: dict(staged=False, prefill="auto", prerouter=False, lookahead=True),
     "edge0-staged": dict(staged=True, prefill="auto", prerouter=False),
     "edge0-prerouter": dict(staged=False, prefill="auto", prerouter=True),
     "edge0-prerouter-window": dict(staged=False, prefill="auto", prerouter=True, staged_window=STAGED_WINDOW),

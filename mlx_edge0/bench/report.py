@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .charts import Bar, Point, hbar_chart, line_chart, stacked_hbar_chart
-from .arms import BUDGET_ARMS, LOOKAHEAD_ARM, TIER_MARK, WINDOW_ARMS, split_arm
+from .arms import BUDGET_ARMS, TIER_MARK, WINDOW_ARMS, split_arm
 from .summary import summarize
 from .tables import (
     GIB,
@@ -38,7 +38,7 @@ PROFILE_ROWS = 10
 BUDGET_AXIS = "hot cache budget (GiB)"
 # Arms whose per-step exposed wait is charted (on-demand and prerouted).
 PREROUTED_ARMS = ("edge0-prerouter", *WINDOW_ARMS)
-STEP_WAIT_ARMS = ("edge0-exact", "edge0-hot", LOOKAHEAD_ARM) + PREROUTED_ARMS
+STEP_WAIT_ARMS = ("edge0-exact", "edge0-hot") + PREROUTED_ARMS
 
 
 @dataclass
