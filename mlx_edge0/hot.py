@@ -16,7 +16,7 @@ read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_expe
 copied from the rows it read, so the decode that follows starts from them.
 With ``lookahead`` the hot path reads the next layer's likely experts in
 ahead of its call (:meth:`HotCache.start_prefetch`); rows still being written
-are never a victim.
+are never a victim nor copied from.
 """
 
 from __future__ import annotations
@@ -240,6 +240,10 @@ class HotCache:
         self.permanent.update(keys)
 
     def row(self, layer: int, expert: int) -> Optional[int]:
+        """The row to copy ``expert`` of ``layer`` from, or None: not resident, or
+        still being read ahead (its bytes are not all there yet)."""
+        if self.prefetch is not None and (layer, expert) in self.prefetch.placed:
+            return None
         return self.row_of.get((layer, expert))
 
     def fetch(self, layer: int, ids: Sequence[int]) -> Optional[np.ndarray]:

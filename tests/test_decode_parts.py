@@ -197,7 +197,9 @@ def test_rows_being_read_ahead_are_never_a_victim():
         hot.start_prefetch(2, [1])
     hot.fetch(2, [5, 6])  # two victims: only layer 0's rows may go
     assert set(hot.row_of) == {(1, 3), (1, 4), (2, 5), (2, 6)}
+    assert hot.row(1, 3) is None and hot.row(2, 5) is not None  # nothing copies from a row still read
     hot.finish_prefetch()
+    assert hot.row(1, 3) is not None
     assert hot.start_prefetch(3, [1, 2, 7], keep=set(hot.row_of) - {(1, 3)}) == 0  # 3 misses, 1 spare row
     assert store.submitted[-1] == (2, [5, 6], True)
 
