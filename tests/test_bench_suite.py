@@ -112,6 +112,9 @@ def test_suite_runs_end_to_end_and_report_renders(tmp_path, capsys):
                             "edge0": Path(phase["edge0"]), "arms": tuple(phase["arms"]),
                             "caches": tuple(phase["caches"]), "regime": Regime(**phase["regime"])})  # fmt: skip
     assert runs_to_make(again) == 0
+    moved = tmp_path / "moved.json"  # a results file resumes wherever it was moved
+    moved.write_text(again.out.read_text())
+    assert runs_to_make(replace(again, out=moved)) == 0
     run_bench(again, ["again"], progress=kept.append, show_progress=False)
     assert sum("kept from" in line for line in kept) == 3
     # Adding a cache state keeps the runs already made and measures only the new ones.

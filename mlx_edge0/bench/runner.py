@@ -296,6 +296,8 @@ def write_json(path: Path, data: dict) -> None:
 # Options that only say which runs to make: an earlier file that differs in
 # them still measured its runs the same way.
 SELECTING = ("resume", "arms", "caches")
+# Options that are no condition of a measurement: runs made under other ones are kept.
+NOT_CONDITIONS = (*SELECTING, "out")  # a results file resumes wherever it was moved
 
 
 def _earlier_runs(options: BenchOptions) -> dict[tuple, dict]:
@@ -305,8 +307,8 @@ def _earlier_runs(options: BenchOptions) -> dict[tuple, dict]:
         return {}
     earlier = json.loads(Path(options.out).read_text())
     now = json.loads(json.dumps(options.to_dict()))  # tuples as JSON has them
-    same = {k: v for k, v in earlier.get("options", {}).items() if k not in SELECTING}
-    if same != {k: v for k, v in now.items() if k not in SELECTING}:
+    same = {k: v for k, v in earlier.get("options", {}).items() if k not in NOT_CONDITIONS}
+    if same != {k: v for k, v in now.items() if k not in NOT_CONDITIONS}:
         return {}
     return {(r["round"], r["cache"], r["arm"]): r for r in earlier.get("runs", []) if r["ok"]}
 
