@@ -31,18 +31,13 @@ import time
 from pathlib import Path
 
 from mlx_edge0.progress import bar
+from mlx_edge0.telemetry import hot_hit_rate
 
 COLUMNS = {  # name -> (heading, value of one run record)
     "decode_tok_s": ("decode tok/s", lambda r: r["decode_tok_s"]),
     "ttft_s": ("TTFT s", lambda r: r["ttft_s"]),
     "device_mb_per_token": ("device MB/token", lambda r: r["device_bytes_per_token"] / 1e6),
-    "hot_hit_rate": (
-        "hot hit rate",
-        lambda r: (
-            r["counters_per_token"]["hot_hits"]
-            / (r["counters_per_token"]["hot_hits"] + r["counters_per_token"]["hot_misses"])
-        ),
-    ),
+    "hot_hit_rate": ("hot hit rate", lambda r: hot_hit_rate(r["counters_per_token"])),
     "prompt_copied": ("bundles copied from the prompt", lambda r: r["prefill_counters"].get("prompt_copied", 0)),
     "resident_at_decode": (
         "bundles resident at the decode's start",

@@ -169,7 +169,8 @@ class HotCache:
     def _make_room(self, keys: list[Key], keep: AbstractSet[Key] = frozenset()) -> dict[Key, int]:
         """Rows for the keys of ``keys`` that are not resident (free rows, then
         victims other than ``keep``); the victims are forgotten at once."""
-        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, self._unevictable() | keep)
+        unevictable = self._unevictable() | keep if keep else self._unevictable()  # no copy per decode call
+        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, unevictable)
         for k in evicted:
             del self.row_of[k]
             self.policy.forget(k)

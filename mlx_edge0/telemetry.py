@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Mapping, Optional
 
 
 @dataclass
@@ -132,13 +132,24 @@ class Telemetry:
         self.total, self.current, self.last_step = Stats(), Stats(), Stats()
 
 
+def hot_hit_rate(counters: Mapping[str, float]) -> Optional[float]:
+    """The share of the hot path's routings it found resident, from
+    :meth:`Stats.as_dict`-shaped counters (a bundle read ahead for its call
+    was read, not held: it counts as routed, not as a hit); None when nothing
+    was routed through the hot cache."""
+    hits = counters.get("hot_hits", 0)
+    routed = hits + counters.get("hot_misses", 0) + counters.get("lookahead_hits", 0)
+    return hits / routed if routed else None
+
+
 def format_stats(stats: dict) -> str:
     """A readable summary of ``model.stats()`` (``edge0 generate --stats``;
     ``--json`` prints the dict itself)."""
     from .checkpoint import human_bytes
 
     hits, misses, ahead = stats["hot_hits"], stats["hot_misses"], stats["lookahead_hits"]
-    hit_rate = f" ({100 * hits / (hits + misses + ahead):.0f}% hits)" if hits + misses + ahead else ""
+    rate = hot_hit_rate(stats)
+    hit_rate = f" ({100 * rate:.0f}% hits)" if rate is not None else ""
     resident = ", ".join(f"{name.replace('_', ' ')} {human_bytes(n)}" for name, n in stats["resident_bytes"].items())
     last = stats["last_step"]
     lines = [

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
 from ..hot import LFU_AGING, POLICIES, FrequencyPolicy, LRUPolicy, plan_fill
+from ..telemetry import hot_hit_rate
 from .locality import RoutingTrace
 
 Key = tuple[int, int]  # (layer, expert)
@@ -307,14 +308,13 @@ class RecordedDecode:
         replay = run.get("eviction_replay", {})
         if "routing" not in run or "resident_keys" not in replay:
             return None
-        counters = run["decode_counters"]
-        served = counters["hot_hits"] + counters["hot_misses"] + counters.get("lookahead_hits", 0)
+        rate = hot_hit_rate(run["decode_counters"])
         return cls(
             RoutingTrace(**run["routing"]),
             replay["capacity"],
             frozenset(tuple(k) for k in replay["permanent_keys"]),
             [tuple(k) for k in replay["resident_keys"]],
-            counters["hot_hits"] / served if served else float("nan"),
+            float("nan") if rate is None else rate,
         )
 
 

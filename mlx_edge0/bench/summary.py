@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 
+from ..telemetry import hot_hit_rate
 from .arms import is_peer_arm
 
 
@@ -15,19 +16,17 @@ def run_metrics(r: dict) -> dict:
     m = {}
     c = r.get("counters_per_token")
     if c:
-        loads, hits, misses = c.get("expert_loads", 0), c.get("hot_hits", 0), c.get("hot_misses", 0)
-        ahead, read_ahead = c.get("lookahead_hits", 0), c.get("lookahead_read", 0)
+        loads = c.get("expert_loads", 0)
         staged = c.get("staged_kept", 0) + c.get("staged_copied", 0) + c.get("staged_read", 0)
         m["exposed_wait_ms_per_step"] = c.get("exposed_wait_ms", 0.0)
         m["loads_per_token"] = loads
         m["bytes_per_token"] = c.get("bytes_read", 0)
         if loads:
             m["mib_per_load"] = c.get("bytes_read", 0) / loads / 2**20
-        if hits + misses + ahead:  # a bundle read ahead for its call was read, not held
-            m["hot_hit_rate"] = hits / (hits + misses + ahead)
-        if read_ahead:
-            m["lookahead_hits_per_token"] = ahead
-            m["lookahead_used"] = ahead / read_ahead
+        if (rate := hot_hit_rate(c)) is not None:
+            m["hot_hit_rate"] = rate
+        if c.get("lookahead_read"):
+            m["lookahead_used"] = c.get("lookahead_hits", 0) / c["lookahead_read"]
         if staged:
             m["staged_hit_rate"] = (staged - c.get("staged_read", 0)) / staged
     if "device_bytes_per_token" in r:
