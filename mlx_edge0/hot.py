@@ -15,8 +15,10 @@ with the prerouter, the layers no owner predicts) are never a victim. A prompt
 read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_experts`),
 copied from the rows it read, so the decode that follows starts from them.
 With ``lookahead`` the hot path reads the next layer's likely experts in
-ahead of its call (:meth:`HotCache.start_prefetch`); rows still being written
-are never a victim nor copied from.
+ahead of its call (:meth:`HotCache.start_prefetch`), one at a time, surest
+first; when that layer routes, the reads not started are dropped and what
+they displaced is resident again (:meth:`HotCache.settle_prefetch`). Rows
+still being written are never a victim nor copied from.
 """
 
 from __future__ import annotations
@@ -155,8 +157,8 @@ class HotCache:
         self.free = list(range(capacity))
         self.policy = POLICIES[policy](capacity)
         self.permanent: set[Key] = set()
-        self.prefetch: Optional[PendingFetch] = None  # reads started ahead, not yet waited for
-        self.read_ahead: set[Key] = set()  # what prefetches read for calls still to come
+        self.ahead: dict[Key, Guess] = {}  # bundles read ahead whose reads have not landed
+        self.read_ahead: set[Key] = set()  # read ahead and landed, for a call still to come
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +166,7 @@ class HotCache:
 
     def _unevictable(self) -> set[Key]:
         """Permanent bundles, and those whose prefetch reads may still be writing."""
-        return (self.permanent | set(self.prefetch.placed)) if self.prefetch else self.permanent
+        return (self.permanent | self.ahead.keys()) if self.ahead else self.permanent
 
     def _make_room(self, keys: list[Key], keep: AbstractSet[Key] = frozenset()) -> dict[Key, int]:
         """Rows for the keys of ``keys`` that are not resident (free rows, then
@@ -243,7 +245,7 @@ class HotCache:
     def row(self, layer: int, expert: int) -> Optional[int]:
         """The row to copy ``expert`` of ``layer`` from, or None: not resident, or
         still being read ahead (its bytes are not all there yet)."""
-        if self.prefetch is not None and (layer, expert) in self.prefetch.placed:
+        if (layer, expert) in self.ahead:
             return None
         return self.row_of.get((layer, expert))
 
@@ -296,49 +298,94 @@ class HotCache:
         self.policy.touch(pending.keys)
 
     def start_prefetch(self, layer: int, ids: Sequence[int], keep: AbstractSet[Key] = frozenset()) -> int:
-        """Start reading experts ``ids`` of ``layer`` that are not resident, for
-        a call of ``layer`` that has not routed yet, into free rows or victims
+        """Queue reads of experts ``ids`` of ``layer`` (surest first) that are
+        not resident, for a call of ``layer`` that has not routed yet: one at
+        a time (:meth:`ExpertStore.queue_reads`), into free rows or victims
         other than ``keep`` (the calling layer's routed set, whose compute may
-        still read its rows). They count as resident at once; their reads land
-        by :meth:`finish_prefetch`, which must come before anything computes
-        from them or another prefetch starts; until then their rows are no
-        victim. Nothing is read when they do not fit. Returns the bundles started."""
-        if self.prefetch is not None:
-            raise RuntimeError("finish_prefetch before starting another prefetch")
-        keys = [(layer, int(e)) for e in ids if (layer, int(e)) not in self.row_of]
-        try:
-            placed = self._make_room(keys, keep) if keys else {}
-        except ValueError:  # more than the rows not routed now: not worth a read
+        still read its rows), as many as fit. They count as resident at once,
+        their rows out of every victim choice and copy until
+        :meth:`settle_prefetch` finds them landed; a victim is forgotten only
+        then (a dropped read gives its row back). Returns the bundles queued."""
+        keys = list(dict.fromkeys((layer, int(e)) for e in ids if (layer, int(e)) not in self.row_of))
+        unevictable = self._unevictable() | keep
+        spare = len(self.free) + sum(k not in unevictable for k in self.row_of)
+        keys = keys[:spare]
+        if not keys:
             return 0
-        if not placed:
-            return 0
-        misses = list(placed)
+        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, unevictable)
+        free_rows = len(placed) - len(evicted)
+        self.free = self.free[free_rows:]
+        displaced = [None] * free_rows + evicted
+        for k in evicted:
+            del self.row_of[k]
         try:
-            reads = self.store.submit(layer, [e for _, e in misses], [placed[k] for k in misses], self.buffers)
+            reads = self.store.queue_reads(layer, [e for _, e in keys], [placed[k] for k in keys], self.buffers)
         except BaseException:
-            self.free.extend(placed.values())
+            for k, victim in zip(keys, displaced):
+                self._give_back(placed[k], victim)
             raise
+        for k, victim, batch in zip(keys, displaced, reads):
+            self.ahead[k] = Guess(placed[k], victim, batch)
         self.row_of.update(placed)
-        self.prefetch = PendingFetch(misses, placed, reads, np.array(list(placed.values()), dtype=np.int64))
-        self.read_ahead = set(misses)
-        self.store.telemetry.current.lookahead_read += len(placed)
-        return len(placed)
+        self.store.telemetry.current.lookahead_read += len(keys)
+        return len(keys)
 
-    def finish_prefetch(self) -> None:
-        """Wait for :meth:`start_prefetch`'s reads (none: return at once). A
-        failed read is raised here, its bundles no longer resident."""
-        pending, self.prefetch = self.prefetch, None
-        if pending is None:
+    def settle_prefetch(self, layer: int, ids: Sequence[int]) -> None:
+        """Before a call of ``layer`` that routed ``ids``: drop every read ahead
+        not started yet (what it displaced is resident again; a routed one is
+        a miss of this call), wait for those this call routes, and make every
+        landed one resident. A read still running for an expert this call
+        does not route keeps its row out of use until it lands (a later call
+        finds it). A failed read is raised once all are settled, its bundle
+        not resident."""
+        if not self.ahead:
             return
-        try:
-            pending.reads.wait()
-        except BaseException:
-            for key, row in pending.placed.items():  # rows hold garbage now: free, not resident
+        for key, guess in list(self.ahead.items()):
+            if guess.reads.cancel():
+                del self.ahead[key], self.row_of[key]
+                self._give_back(guess.row, guess.displaced)
+        routed = {(layer, int(e)) for e in ids}
+        error = None
+        for key, guess in list(self.ahead.items()):
+            if key not in routed and not guess.reads.done():
+                continue
+            del self.ahead[key]
+            try:
+                guess.reads.wait()
+            except BaseException as e:
                 del self.row_of[key]
-                self.policy.forget(key)
-                self.free.append(row)
-            self.read_ahead = set()
-            raise
+                self.free.append(guess.row)  # the row holds garbage: free, not resident
+                error = error or e
+                continue
+            if guess.displaced is not None and guess.displaced not in self.row_of:
+                self.policy.forget(guess.displaced)
+            if key[0] == layer:
+                self.read_ahead.add(key)
+        if error is not None:
+            raise error
+
+    def _give_back(self, row: int, displaced: Optional[Key]) -> None:
+        """A row a prefetch took and never wrote: to the bundle it displaced
+        (its bytes are still there) unless that was read again since, else free."""
+        if displaced is not None and displaced not in self.row_of:
+            self.row_of[displaced] = row
+        else:
+            self.free.append(row)
+
+
+@dataclass
+class Guess:
+    """A bundle read ahead by :meth:`HotCache.start_prefetch`.
+
+    Attributes:
+        row: the row it is read into.
+        displaced: the bundle that row held (None: a free row).
+        reads: its read, queued or in flight.
+    """
+
+    row: int
+    displaced: Optional[Key]
+    reads: ReadBatch
 
 
 @dataclass

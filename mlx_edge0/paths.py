@@ -6,9 +6,9 @@ weights they hand it (and so in what they read and when):
 - ``ExactPath``: read the union of routed experts into one reused set of K
   rows (fresh buffers for a larger union, e.g. a prompt chunk).
 - ``HotPath``: gather from the hot cache's rows, reading misses into it
-  (the exact path for a routed set larger than the cache); for a prompt
-  chunk, with a :class:`NextLayerRouting`, it also starts reading what the
-  next layer will likely route.
+  (the exact path for a routed set larger than the cache); with a
+  :class:`NextLayerRouting`, it also queues reads of what the next layer
+  will likely route.
 - ``StagedPath``: fill this layer's staging buffer, gather via the
   device-side slot table (a routed set larger than the buffer goes to the
   decode fallback: hot or exact).
@@ -111,12 +111,21 @@ class NextLayerRouting:
         self.gates = gates
         self.routes = routes
 
-    def guess(self, layer: int, x: mx.array) -> Optional[tuple[int, mx.array]]:
-        """(next layer, its guessed indices ``[B, L, K]``), unevaluated; None after the last."""
+    def guess(self, layer: int, x: mx.array) -> Optional[tuple[int, mx.array, mx.array]]:
+        """(next layer, its guessed indices and scores ``[B, L, K]``),
+        unevaluated; None after the last."""
         following = self.next_of.get(layer)
         if following is None:
             return None
-        return following, self.routes[following](self.gates[following](x))[0]
+        return (following, *self.routes[following](self.gates[following](x)))
+
+
+def surest_first(inds: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """The experts of a guessed routing, by their summed routing score, highest
+    first (ties by id): the order their reads are queued in."""
+    ids, where = np.unique(inds.ravel(), return_inverse=True)
+    total = np.bincount(where, weights=scores.ravel().astype(np.float64), minlength=len(ids))
+    return ids[np.argsort(-total, kind="stable")]
 
 
 class HotPath:
@@ -140,33 +149,42 @@ class HotPath:
         pass
 
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        # Prompt chunks only: in decode the guesses' wasted reads cost more
-        # than the overlap gains (BENCHMARKS.md, "Reading the next layer's guess ahead").
-        chunk = x.shape[1] > 1
-        guess = self.lookahead.guess(layer, x) if self.lookahead is not None and chunk else None
+        guess = self.lookahead.guess(layer, x) if self.lookahead is not None else None
         if guess is not None:
-            mx.eval(inds, guess[1])  # the one host sync this call makes anyway
+            mx.eval(inds, guess[1], guess[2])  # the one host sync this call makes anyway
+            following, likely, scores = guess
+            guess = following, surest_first(np.array(likely), np.array(scores.astype(mx.float32)))
         union = routed_union(layer, inds, self.telemetry)
         return self.from_union(layer, x, inds, union, guess)
 
     def from_union(
-        self, layer: int, x: mx.array, inds: mx.array, union: Union, guess: Optional[tuple[int, mx.array]] = None
+        self, layer: int, x: mx.array, inds: mx.array, union: Union, guess: Optional[tuple[int, np.ndarray]] = None
     ) -> mx.array:
         """The experts of a routing whose union is on the host; ``guess``: the
-        next layer and its likely indices, whose misses start reading into the
-        hot cache behind this call's (:class:`NextLayerRouting`)."""
+        next layer and its likely experts, surest first, whose misses are
+        queued to read into the hot cache (:class:`NextLayerRouting`): a
+        prompt chunk's behind its own misses at once (they take long enough
+        to hide them), a decode step's once its own have landed (a step's few
+        misses would only wait longer for them)."""
         ids, local = union
-        self.hot.finish_prefetch()  # what an earlier call read ahead has landed
+        self.hot.settle_prefetch(layer, ids)  # what was read ahead for this call has landed
         pending = self.hot.start_fetch(layer, ids)
-        if guess is not None:
-            following, likely = guess
-            self.hot.start_prefetch(following, np.unique(np.array(likely)), keep={(layer, int(e)) for e in ids})
         if pending is None:  # the routed set is larger than the whole cache
             return self.exact.from_union(layer, x, inds, union)
+        chunk = x.shape[1] > 1
+
+        def read_guess() -> None:
+            if guess is not None:
+                self.hot.start_prefetch(guess[0], guess[1], keep=set(pending.keys))
+
+        if chunk:
+            read_guess()
         rows, missed = pending.rows[local], pending.missed[local]
         if local.size != local.shape[-1] or missed.all() or not missed.any():
             self.hot.finish_fetch(pending)
-            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype)
+            if not chunk:
+                read_guess()
+            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype, rows.ravel())
         # One token, some of its experts resident: compute those while the
         # others are read, so the disk and the compute work at once. Each
         # expert's output is the same product either way; they are put back in
@@ -176,7 +194,7 @@ class HotPath:
 
         def compute(picked: np.ndarray) -> mx.array:
             picked_rows = mx.array(flat[picked].astype(np.uint32)).reshape(*lead, -1)
-            return self.hot.buffers.compute(x, picked_rows, self.compute_dtype)
+            return self.hot.buffers.compute(x, picked_rows, self.compute_dtype, flat[picked])
 
         hits, misses = np.flatnonzero(~missed.ravel()), np.flatnonzero(missed.ravel())
         try:
@@ -184,6 +202,8 @@ class HotPath:
             mx.async_eval(from_hits)
         finally:  # the misses' rows are being written: settle them whatever happens
             self.hot.finish_fetch(pending)
+        if not chunk:
+            read_guess()  # into rows the hits' compute does not read: it runs on
         from_misses = compute(misses)
         self.telemetry.current.hot_overlapped += 1
         routed_order = mx.array(np.argsort(np.concatenate([hits, misses])).astype(np.uint32))

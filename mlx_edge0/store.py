@@ -10,6 +10,9 @@ Contract:
   second copy. Reads the caller waits on at once (``urgent``: on-demand
   misses) have their own threads, so they never queue behind read-ahead (a
   prerouted step's fills are hundreds of reads issued when the step opens).
+  Reads that may turn out unneeded (:meth:`ExpertStore.queue_reads`) run one
+  at a time, in order, on a thread of their own, and each can be cancelled
+  until it starts.
   I/O threads touch only memoryviews and file descriptors, never MLX arrays
   or graphs (graphs are thread-bound in MLX).
 - A failed read is raised in the caller as :class:`ExpertReadError` naming the
@@ -174,6 +177,11 @@ class ReadBatch:
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
+    def cancel(self) -> bool:
+        """Cancel the reads not started yet; True when none had started, so
+        nothing was written (a queued batch is one read: all or nothing)."""
+        return all([f.cancel() for f in self.futures])  # a list: try every one
+
     def settle(self) -> None:
         """Wait until no I/O thread writes into the targets any more, without
         consuming results: for read-ahead that is being discarded (a failure
@@ -256,6 +264,7 @@ class ExpertStore:
         self._pools = (
             ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io"),
             ThreadPoolExecutor(io_threads, thread_name_prefix="edge0-io-urgent"),
+            ThreadPoolExecutor(1, thread_name_prefix="edge0-io-queue"),
         )
         weakref.finalize(self, _release, self._pools, self.layers.values())
         self._pad = bytearray(max(1, self.geometry.pad_bytes(section.alignment)))
@@ -279,6 +288,33 @@ class ExpertStore:
         (:meth:`SlotBuffers.rows_for_writing`). Call on the compute thread;
         returns at once.
         """
+        return self._submit(layer, ids, rows, target, self._pools[1 if urgent else 0], drop_pages)
+
+    def queue_reads(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers) -> list[ReadBatch]:
+        """Read expert ``ids[i]`` of ``layer`` into row ``rows[i]`` of ``target``
+        one at a time, in this order, on a thread of their own: one batch each,
+        which :meth:`ReadBatch.cancel` drops until its read starts. For reads
+        that may turn out unneeded: at most one is in flight when they do, to
+        compete with the reads that are needed. Call on the compute thread."""
+        batches: list[ReadBatch] = []
+        try:
+            for e, row in zip(ids, rows):
+                batches.append(self._submit(layer, [e], [row], target, self._pools[2]))
+        except BaseException:
+            for batch in batches:  # then no read writes into rows the caller takes back
+                batch.cancel() or batch.settle()
+            raise
+        return batches
+
+    def _submit(
+        self,
+        layer: int,
+        ids: Sequence[int],
+        rows: Sequence[int],
+        target: SlotBuffers,
+        pool: ThreadPoolExecutor,
+        drop_pages: bool = False,
+    ) -> ReadBatch:
         lf = self._layer_file(layer)
         drop_pages = drop_pages and hasattr(os, "posix_fadvise") and not lf.bypass_page_cache
         pairs = sorted(zip((int(e) for e in ids), rows))
@@ -294,7 +330,6 @@ class ExpertStore:
         part_bytes = lf.part_bytes
         pad = memoryview(self._pad)[: lf.stride - lf.bundle_bytes]
         max_run = max(1, IOV_MAX // (len(part_bytes) + 1))
-        pool = self._pools[1 if urgent else 0]
         views = target.rows_for_writing([row for _, row in pairs])  # settles the rows' readers
         futures = []
         for run in plan_reads([e for e, _ in pairs], lf.offsets, lf.stride, max_run):

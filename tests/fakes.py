@@ -46,14 +46,48 @@ class FakeReads:
         return 0.0  # landed already: no wait
 
 
+class FakeQueued(FakeReads):
+    """One bundle's read from :meth:`FakeStore.queue_reads`: queued (it can be
+    cancelled), running, or landed; waiting for it lands it."""
+
+    def __init__(self, land, telemetry: Telemetry, error: Optional[BaseException]):
+        super().__init__(1, telemetry, error)
+        self.land, self.state = land, "queued"
+
+    def run(self, finish: bool) -> None:
+        """Start the read; with ``finish`` land it too."""
+        if finish and self.state != "landed":
+            if self.error is None:
+                self.land()
+            self.state = "landed"
+        elif self.state == "queued":
+            self.state = "running"
+
+    def cancel(self) -> bool:
+        if self.state == "queued":
+            self.state = "cancelled"
+        return self.state == "cancelled"
+
+    def done(self) -> bool:
+        return self.state == "landed"
+
+    def wait(self) -> float:
+        self.run(finish=True)
+        return super().wait()
+
+
 class FakeStore:
-    """Every layer's experts in memory; ``submitted`` logs (layer, ids, urgent)."""
+    """Every layer's experts in memory; ``submitted`` logs (layer, ids, urgent),
+    or (layer, ids, "queue") for :meth:`queue_reads`, whose reads land at once
+    unless ``hold_queue`` keeps them queued until :meth:`run_queue`."""
 
     def __init__(self, layers: Sequence[int] = (0, 1, 2, 3), geometry: ExpertGeometry = GEOMETRY, seed: int = 0):
         self.geometry = geometry
         self.telemetry = Telemetry()
-        self.submitted: list[tuple[int, list[int], bool]] = []
+        self.submitted: list[tuple[int, list[int], bool | str]] = []
         self.fail: Optional[BaseException] = None  # set to make the next reads fail
+        self.hold_queue = False
+        self.queue: list[FakeQueued] = []
         rng = np.random.default_rng(seed)
         self.bundles: dict[tuple[int, int], list[bytes]] = {}
         for layer in layers:
@@ -83,6 +117,31 @@ class FakeStore:
                 for view, data in zip(row, self.bundles[(layer, e)]):
                     view[:] = data
         return FakeReads(len(ids), self.telemetry, self.fail)
+
+    def queue_reads(self, layer: int, ids: Sequence[int], rows: Sequence[int], target: SlotBuffers) -> list[FakeQueued]:
+        ids = [int(e) for e in ids]
+        self.submitted.append((layer, ids, "queue"))
+        views = target.rows_for_writing(list(rows))
+        batches = []
+        for e, row in zip(ids, views):
+
+            def land(e=e, row=row):
+                for view, data in zip(row, self.bundles[(layer, e)]):
+                    view[:] = data
+
+            batch = FakeQueued(land, self.telemetry, self.fail)
+            if not self.hold_queue:
+                batch.run(finish=True)
+            batches.append(batch)
+        self.queue.extend(batches)
+        return batches
+
+    def run_queue(self, landed: int, running: int = 0) -> None:
+        """Land the first ``landed`` reads still queued, in order, and start the
+        next ``running``, as the store's one queue thread would."""
+        waiting = [b for b in self.queue if b.state in ("queued", "running")]
+        for i, batch in enumerate(waiting[: landed + running]):
+            batch.run(finish=i < landed)
 
     def read(self, layer: int, ids: Sequence[int], scales_dtype: Optional[mx.Dtype] = None) -> ExpertWeights:
         target = SlotBuffers(self.geometry, len(ids))

@@ -159,49 +159,84 @@ def _guessing(store, guesses: dict[int, list[int]]) -> NextLayerRouting:
     return NextLayerRouting(LAYERS, {layer: gate(layer) for layer in LAYERS}, {layer: route for layer in LAYERS})
 
 
-def test_lookahead_reads_the_next_layers_guess_behind_a_chunks_own_misses():
-    """With a lookahead a prompt chunk on the hot path starts reading the next
-    layer's guessed misses (not urgent) after its own; the next layer finds
-    them resident, counted as ``lookahead_hits``, and computes exactly its
-    routed experts. A decode step (one token) never guesses."""
+def test_lookahead_queues_the_next_layers_guess_behind_a_calls_own_misses():
+    """With a lookahead the hot path queues reads of the next layer's guessed
+    misses, surest first: a prompt chunk's at once behind its own misses, a
+    decode step's once its own landed. The next layer finds them resident,
+    counted as ``lookahead_hits``, and computes exactly its routed experts."""
     store = FakeStore(LAYERS)
     exact, hot, _, _ = _paths(store, hot_rows=6)
-    hot.lookahead = _guessing(store, {1: [3, 4], 2: [5, 6], 3: [0, 1]})
+    hot.lookahead = _guessing(store, {1: [4, 3], 2: [5, 6], 3: [0, 1], 4: [2, 3]})
     s = store.telemetry.current
     x = _x(store, 1, 2)
     for layer, inds in ((0, [[[1, 5], [5, 1]]]), (1, [[[6, 3], [3, 6]]])):
         inds = mx.array(inds, mx.uint32)
         assert mx.array_equal(hot.experts(layer, x, inds), expert_glu(x, inds, store.weights(layer))).item()
-    assert store.submitted == [(0, [1, 5], True), (1, [3, 4], False), (1, [6], True), (2, [5, 6], False)]
+    assert store.submitted == [(0, [1, 5], True), (1, [4, 3], "queue"), (1, [6], True), (2, [5, 6], "queue")]
     assert (s.hot_hits, s.hot_misses, s.lookahead_hits, s.lookahead_read) == (0, 3, 1, 4)
     assert s.expert_loads == 5  # the layer-2 guess lands by the next call
     inds = mx.array([[[2, 6], [6, 5]]], mx.uint32)
     assert mx.array_equal(hot.experts(2, x, inds), expert_glu(x, inds, store.weights(2))).item()
-    assert (s.lookahead_hits, s.expert_loads) == (3, 8) and hot.hot.prefetch is not None
-    assert store.submitted[-2:] == [(2, [2], True), (3, [0, 1], False)]
+    assert (s.lookahead_hits, s.expert_loads) == (3, 8) and set(hot.hot.ahead) == {(3, 0), (3, 1)}
+    assert store.submitted[-2:] == [(2, [2], True), (3, [0, 1], "queue")]
     one = _x(store, 1, 1)
     inds = mx.array([[[0, 7]]], mx.uint32)
     assert mx.array_equal(hot.experts(3, one, inds), expert_glu(one, inds, store.weights(3))).item()
-    assert store.submitted[-1] == (3, [7], True) and s.lookahead_read == 6  # no guess for layer 4
+    assert store.submitted[-2:] == [(3, [7], True), (4, [2, 3], "queue")] and s.lookahead_read == 8
 
 
 def test_rows_being_read_ahead_are_never_a_victim():
-    """Until :meth:`HotCache.finish_prefetch`, a prefetch's rows are out of
-    every victim choice; a guess that needs the calling layer's own rows is
-    not read at all."""
+    """Until :meth:`HotCache.settle_prefetch` finds a read ahead landed, its row
+    is out of every victim choice and copy; a guess takes only the rows not
+    routed now, surest first."""
     store = FakeStore(LAYERS)
+    store.hold_queue = True
     hot = HotCache(store, 4, None)
     hot.fetch(0, [1, 2])
     assert hot.start_prefetch(1, [3, 4], keep={(0, 1), (0, 2)}) == 2
-    with pytest.raises(RuntimeError, match="finish_prefetch"):
-        hot.start_prefetch(2, [1])
     hot.fetch(2, [5, 6])  # two victims: only layer 0's rows may go
     assert set(hot.row_of) == {(1, 3), (1, 4), (2, 5), (2, 6)}
     assert hot.row(1, 3) is None and hot.row(2, 5) is not None  # nothing copies from a row still read
-    hot.finish_prefetch()
-    assert hot.row(1, 3) is not None
-    assert hot.start_prefetch(3, [1, 2, 7], keep=set(hot.row_of) - {(1, 3)}) == 0  # 3 misses, 1 spare row
-    assert store.submitted[-1] == (2, [5, 6], True)
+    store.run_queue(landed=2)
+    hot.settle_prefetch(1, [3])
+    assert hot.row(1, 3) is not None and not hot.ahead
+    assert hot.start_prefetch(3, [1, 2, 7], keep=set(hot.row_of) - {(1, 3)}) == 1  # 3 misses, 1 spare row
+    assert store.submitted[-1] == (3, [1], "queue") and hot.row(1, 3) is None
+
+
+def _row_holds(store, hot, layer, expert) -> bool:
+    """Whether ``expert`` of ``layer``'s row computes as the expert does."""
+    x, row = _x(store, 1, 1), hot.row_of[(layer, expert)]
+    got = hot.buffers.compute(x, mx.array([[[row]]], mx.uint32), None)
+    return mx.array_equal(got, expert_glu(x, mx.array([[[expert]]], mx.uint32), store.weights(layer))).item()
+
+
+def test_reads_ahead_not_started_are_dropped_and_give_their_rows_back():
+    """When the layer routes, a guess still queued is dropped and the bundle
+    it displaced is resident again in its untouched row; one being read that
+    the layer does not route keeps its row out of use until it lands; one it
+    routes is waited for."""
+    store = FakeStore(LAYERS)
+    store.hold_queue = True
+    hot = HotCache(store, 4, None)
+    hot.fetch(0, [1, 2, 3])
+    row_of_3 = hot.row_of[(0, 3)]
+    assert hot.start_prefetch(1, [4, 5, 6], keep={(0, 1)}) == 3  # a free row, then (0, 2)'s and (0, 3)'s
+    store.run_queue(landed=1, running=1)  # 4 landed, 5 being read, 6 still queued
+    hot.settle_prefetch(1, [4, 7])
+    assert set(hot.ahead) == {(1, 5)} and hot.row(1, 5) is None
+    assert hot.row(0, 3) == row_of_3 and _row_holds(store, hot, 0, 3)  # given back with its bytes
+    assert (1, 6) not in hot.row_of and (0, 2) not in hot.row_of
+    hot.fetch(1, [4, 7])  # the victim for 7 is not the row still being read
+    s = store.telemetry.current
+    assert (s.lookahead_hits, s.lookahead_read, hot.row(1, 5)) == (1, 3, None) and (1, 7) in hot.row_of
+    store.run_queue(landed=1)
+    hot.settle_prefetch(2, [])
+    assert not hot.ahead and _row_holds(store, hot, 1, 5) and _row_holds(store, hot, 1, 4)
+    assert hot.start_prefetch(2, [0]) == 1
+    store.run_queue(landed=0, running=1)
+    hot.settle_prefetch(2, [0])  # routed while being read: waited for
+    assert not hot.ahead and _row_holds(store, hot, 2, 0) and s.expert_loads == 3 + 1 + 1 + 1 + 1
 
 
 def test_a_failed_read_ahead_is_raised_by_the_next_call_and_leaves_nothing_resident():
@@ -218,7 +253,8 @@ def test_a_failed_read_ahead_is_raised_by_the_next_call_and_leaves_nothing_resid
     assert not {(1, 3), (1, 4)} & set(hot.hot.row_of) and len(hot.hot.free) == 6
     inds = mx.array([[[3, 2], [2, 3]]], mx.uint32)
     assert mx.array_equal(hot.experts(1, x, inds), expert_glu(x, inds, store.weights(1))).item()
-    assert store.submitted[-2] == (1, [2, 3], True) and store.telemetry.current.read_errors == 2
+    assert store.submitted[-2] == (1, [2, 3], True)
+    assert store.telemetry.current.read_errors == 3  # the misses' batch, and each bundle read ahead
 
 
 def test_permanent_experts_are_read_once_and_never_evicted():
