@@ -93,15 +93,17 @@ class Options:
             cache never holds more than all the experts, so a budget above
             their size allocates their size.
         hot_policy: "lfu" (frequency with aging) or "lru".
-        lookahead: on the hot path, while a layer computes, read into the
-            hot cache the experts the next MoE layer's own router picks from
-            this layer's input (most tokens route alike in adjacent layers),
-            so the next layer's misses are on their way before it routes:
-            one at a time, surest first, from a prompt chunk's own misses on
-            (one too short to read whole layers) or once a decode step's
-            have landed; those not started when the layer routes are dropped.
-            The routing never changes: the outputs are bit-identical. With
-            the prerouter off (its layers route by prediction), in one process.
+        lookahead: for a prompt chunk on the hot path (one too short to read
+            whole layers), while a layer computes, read into the hot cache
+            the experts the next MoE layer's own router picks from this
+            layer's input (most tokens route alike in adjacent layers), so
+            the next layer's misses are on their way before it routes: one
+            at a time, surest first, behind the chunk's own; those not
+            started when that layer routes are dropped. The routing never
+            changes: the outputs are bit-identical. Decode steps never look
+            ahead (there the wrong guesses' reads cost more than the overlap
+            buys). With the prerouter off (its layers route by prediction),
+            in one process.
         staged: decode through per-layer staged slots (one buffer of K rows each).
         staged_slots: slots per staged buffer (0 = the layer's K, one routed
             set); at most the number of experts.
@@ -154,7 +156,9 @@ class Options:
         "auto", "Hot expert cache budget in GiB ('auto': from available memory; 0: off).", parse=parse_cache_gib
     )
     hot_policy: str = _option("lfu", choices=HOT_POLICIES)
-    lookahead: bool = _option(True, "The hot path reads the next layer's likely experts while a layer computes.")
+    lookahead: bool = _option(
+        True, "Prompt chunks on the hot path read the next layer's likely experts while a layer computes."
+    )
     staged: bool = _option(False, "Decode through per-layer staged slots.")
     staged_slots: int = _option(0, "Slots per staged buffer (0 = K).")
     staged_window: Union[int, str] = _option(

@@ -6,9 +6,9 @@ weights they hand it (and so in what they read and when):
 - ``ExactPath``: read the union of routed experts into one reused set of K
   rows (fresh buffers for a larger union, e.g. a prompt chunk).
 - ``HotPath``: gather from the hot cache's rows, reading misses into it
-  (the exact path for a routed set larger than the cache); with a
-  :class:`NextLayerRouting`, it also queues reads of what the next layer
-  will likely route.
+  (the exact path for a routed set larger than the cache); for a prompt
+  chunk, with a :class:`NextLayerRouting`, it also queues reads of what the
+  next layer will likely route.
 - ``StagedPath``: fill this layer's staging buffer, gather via the
   device-side slot table (a routed set larger than the buffer goes to the
   decode fallback: hot or exact).
@@ -149,7 +149,11 @@ class HotPath:
         pass
 
     def experts(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        guess = self.lookahead.guess(layer, x) if self.lookahead is not None else None
+        # Prompt chunks only: a decode step's compute between its layers' reads
+        # is too short to hide the guesses' wrong reads behind (BENCHMARKS.md,
+        # "Reading the next layer's guess ahead").
+        chunk = x.shape[1] > 1
+        guess = self.lookahead.guess(layer, x) if self.lookahead is not None and chunk else None
         if guess is not None:
             mx.eval(inds, guess[1], guess[2])  # the one host sync this call makes anyway
             following, likely, scores = guess
@@ -162,29 +166,19 @@ class HotPath:
     ) -> mx.array:
         """The experts of a routing whose union is on the host; ``guess``: the
         next layer and its likely experts, surest first, whose misses are
-        queued to read into the hot cache (:class:`NextLayerRouting`): a
-        prompt chunk's behind its own misses at once (they take long enough
-        to hide them), a decode step's once its own have landed (a step's few
-        misses would only wait longer for them)."""
+        queued to read into the hot cache behind this call's own
+        (:class:`NextLayerRouting`)."""
         ids, local = union
         self.hot.settle_prefetch(layer, ids)  # what was read ahead for this call has landed
         pending = self.hot.start_fetch(layer, ids)
+        if guess is not None:
+            self.hot.start_prefetch(guess[0], guess[1], keep={(layer, int(e)) for e in ids})
         if pending is None:  # the routed set is larger than the whole cache
             return self.exact.from_union(layer, x, inds, union)
-        chunk = x.shape[1] > 1
-
-        def read_guess() -> None:
-            if guess is not None:
-                self.hot.start_prefetch(guess[0], guess[1], keep=set(pending.keys))
-
-        if chunk:
-            read_guess()
         rows, missed = pending.rows[local], pending.missed[local]
         if local.size != local.shape[-1] or missed.all() or not missed.any():
             self.hot.finish_fetch(pending)
-            if not chunk:
-                read_guess()
-            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype, rows.ravel())
+            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype)
         # One token, some of its experts resident: compute those while the
         # others are read, so the disk and the compute work at once. Each
         # expert's output is the same product either way; they are put back in
@@ -194,7 +188,7 @@ class HotPath:
 
         def compute(picked: np.ndarray) -> mx.array:
             picked_rows = mx.array(flat[picked].astype(np.uint32)).reshape(*lead, -1)
-            return self.hot.buffers.compute(x, picked_rows, self.compute_dtype, flat[picked])
+            return self.hot.buffers.compute(x, picked_rows, self.compute_dtype)
 
         hits, misses = np.flatnonzero(~missed.ravel()), np.flatnonzero(missed.ravel())
         try:
@@ -202,8 +196,6 @@ class HotPath:
             mx.async_eval(from_hits)
         finally:  # the misses' rows are being written: settle them whatever happens
             self.hot.finish_fetch(pending)
-        if not chunk:
-            read_guess()  # into rows the hits' compute does not read: it runs on
         from_misses = compute(misses)
         self.telemetry.current.hot_overlapped += 1
         routed_order = mx.array(np.argsort(np.concatenate([hits, misses])).astype(np.uint32))

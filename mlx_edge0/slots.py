@@ -15,10 +15,9 @@ sizes are whole pages land in place instead of through a bounce buffer.
 Invariant: a row is only rewritten when no unevaluated graph still reads it.
 It is enforced by the only two ways in and out of the rows: every
 computation from them goes through :meth:`SlotBuffers.compute`, which records
-it with the rows it reads (every row, where the caller does not say), and
-every write goes through :meth:`SlotBuffers.rows_for_writing` (the store's
-reads) or :meth:`SlotBuffers.copy_row`, which evaluate the recorded
-computations that may read the rows written first. In a decode loop each step is evaluated before the next
+it, and every write goes through :meth:`SlotBuffers.rows_for_writing` (the
+store's reads) or :meth:`SlotBuffers.copy_row`, which evaluate the recorded
+computations first. In a decode loop each step is evaluated before the next
 is built, so this costs nothing; it matters when a caller builds several
 steps without evaluating them (e.g. teacher-forced scoring one token at a
 time).
@@ -27,7 +26,7 @@ time).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -72,8 +71,7 @@ class SlotBuffers:
             dt = DTYPES[dtype][0] if part == "weight" else self.scales_dtype
             self.arrays.append(page_aligned_zeros((capacity, *shape), dt))
         self._views = [memoryview(a).cast("B") for a in self.arrays]
-        self._readers: list[tuple[mx.array, Optional[frozenset[int]]]] = []  # (output, rows read) not known evaluated
-        self._written = 0  # readers recorded before the last write: the first this many
+        self._readers: list[mx.array] = []  # computations from the rows not known to be evaluated
         self.row_bytes = [v.nbytes // capacity for v in self._views]
 
     @property
@@ -96,9 +94,9 @@ class SlotBuffers:
 
     def rows_for_writing(self, rows: Sequence[int]) -> list[list[memoryview]]:
         """Writable byte views of ``rows`` (for I/O threads), once every
-        computation recorded as reading them (or rows not known) is
-        evaluated. Call on the compute thread."""
-        self._settle_readers(rows)
+        computation recorded as reading these buffers is evaluated. Call on
+        the compute thread."""
+        self._settle_readers()
         return [self.row_views(row) for row in rows]
 
     def copy_row(self, src: "SlotBuffers", src_row: int, dst_row: int) -> None:
@@ -107,44 +105,22 @@ class SlotBuffers:
         for d, s in zip(self.rows_for_writing([dst_row])[0], src.row_views(src_row)):
             d[:] = s
 
-    def compute(
-        self,
-        x: mx.array,
-        indices: mx.array,
-        scales_dtype: Optional[mx.Dtype],
-        rows: Optional[Iterable[int]] = None,
-    ) -> mx.array:
+    def compute(self, x: mx.array, indices: mx.array, scales_dtype: Optional[mx.Dtype]) -> mx.array:
         """:func:`expert_glu` of ``x`` with rows ``indices`` (scales cast to
-        ``scales_dtype``), recorded as reading the rows until the next write
-        to them: ``rows``, the rows ``indices`` holds where the caller knows
-        them on the host (then a write to others need not wait for it), or
-        every row.
+        ``scales_dtype``), recorded as reading the rows until the next write.
 
         The output itself is kept (no extra op, so settling an evaluated one
         launches nothing); these buffers are read only at decode and for small
         prompt chunks, so what is kept is small, and only until the next
         rewrite."""
         y = expert_glu(x, indices, self.weights().with_scales_dtype(scales_dtype))
-        self._readers.append((y, None if rows is None else frozenset(int(r) for r in rows)))
+        self._readers.append(y)
         return y
 
-    def _settle_readers(self, rows: Iterable[int]) -> None:
-        """Evaluate the recorded computations that may read ``rows``, and those
-        recorded before the last write (in a decode loop evaluated already, so
-        free: the record stays as short as the computations since a write)."""
-        if not self._readers:
-            return
-        written = set(int(r) for r in rows)
-        now = [y for y, _ in self._readers[: self._written]]
-        later = []
-        for y, read in self._readers[self._written :]:
-            if read is not None and read.isdisjoint(written):
-                later.append((y, read))
-            else:
-                now.append(y)
-        if now:
-            mx.eval(now)
-        self._readers, self._written = later, len(later)
+    def _settle_readers(self) -> None:
+        if self._readers:
+            mx.eval(self._readers)
+            self._readers.clear()
 
     def weights(self) -> ExpertWeights:
         a = self.arrays

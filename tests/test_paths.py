@@ -151,10 +151,10 @@ def test_greedy_64_tokens_identical_on_every_path(converted, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_short_prompt_chunks_read_the_next_layers_guess_and_stay_exact(converted, family):
     """Prompt chunks too short to read whole layers go through the hot path,
-    which with ``lookahead`` reads the next layer's guessed experts ahead,
-    as do the decode steps after them (on the store's real queue thread,
-    dropped or landed as the timing falls): the same logits as without,
-    real reads that the layers they were read for route."""
+    which with ``lookahead`` queues reads of the next layer's guessed
+    experts (on the store's real queue thread, dropped or landed as the
+    timing falls): the same logits as without, real reads that the layers
+    they were read for route; the decode steps after them read nothing ahead."""
     c = converted(family)
     prompt = mx.array(np.random.default_rng(2).integers(0, 500, 12))
     logits = {}
@@ -172,7 +172,7 @@ def test_short_prompt_chunks_read_the_next_layers_guess_and_stay_exact(converted
         assert stats["lookahead"] is lookahead and stats["whole_layer_loads"] == 0
         if lookahead:
             assert 0 < prompt_stats["lookahead_hits"] <= prompt_stats["lookahead_read"], prompt_stats
-            assert stats["lookahead_read"] > prompt_stats["lookahead_read"], stats  # decode guesses too
+            assert stats["lookahead_read"] == prompt_stats["lookahead_read"]  # decode guesses nothing
     assert mx.array_equal(logits[False], logits[True]).item()
 
 
@@ -375,8 +375,3 @@ def test_rows_are_rewritten_only_after_their_readers_are_evaluated():
     z = buffers.compute(x, inds, None)
     buffers.copy_row(buffers, 0, 1)  # a copy settles the readers too
     assert mx.array_equal(z, expert_glu(x, mx.array([[[6, 7]]], mx.uint32), store.weights(0))).item()
-    # a computation that names its rows: a write elsewhere leaves it, one into them settles it first
-    w = buffers.compute(x, mx.array([[[0]]], mx.uint32), None, rows=[0])
-    store.submit(0, [2], [1], buffers).wait()
-    store.submit(0, [4], [0], buffers).wait()
-    assert mx.array_equal(w, expert_glu(x, mx.array([[[6]]], mx.uint32), store.weights(0))).item()
