@@ -2,15 +2,18 @@
 measures it (``measure.measure``: cold page cache, seeded prompt, warm-up,
 teacher-forced steps built as ``generate_step`` builds them), in its own
 memory-capped, read-throttled cgroup (the bench's ``ArmCgroup``), with the
-start and end of every expert read taken on the I/O threads and the time of
-every forward's open (``Prerouting.begin_forward``; the exact and hot arms
-have none, so their forwards are not told apart).
+start and end of every expert read taken on the I/O threads, the time every
+forward opens (``Telemetry.begin_step``, at its first MoE layer, in every
+arm) and how long a prerouter arm's ``Prerouting.begin_forward`` took.
 
 Prints, per forward (0 is the prompt, then the warm-up steps, then the
 decoded ones), its length, the share of it the disk was busy (the union of
 the reads in flight) and its idle gaps longer than 20 ms, and the busy share
-over the decoded steps; writes every interval as JSON. The read bound of the issue-19
-target assumes a disk that never idles: this shows where it does.
+over the decoded steps, and how long the disk idled at each decoded
+forward's start (to its first read) and end (after its last read: the last
+MoE layer's compute, the lm_head, the next token's first layers); writes
+every interval as JSON. The read bound of the issue-19 target assumes a disk
+that never idles: this shows where it does.
 
     python benchmarks/disk_timeline.py EDGE0 --arm edge0-prerouter+bypass \\
         --memory-cap 12 --read-mbps 144 --out timeline.json
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -36,12 +40,14 @@ def child(a: argparse.Namespace) -> None:
     import mlx_edge0.store as store
     from mlx_edge0.bench.measure import RunSpec, measure
     from mlx_edge0.prerouting import Prerouting
+    from mlx_edge0.telemetry import Telemetry
 
     t0 = time.perf_counter()
     reads: list[tuple[float, float, int]] = []
     opens: list[tuple[float, float]] = []
+    forwards: list[float] = []
     lock = threading.Lock()
-    read_run, begin_forward = store.read_run, Prerouting.begin_forward
+    read_run, begin_forward, begin_step = store.read_run, Prerouting.begin_forward, Telemetry.begin_step
 
     def timed_read(*args, **kwargs) -> int:
         start = time.perf_counter() - t0
@@ -55,10 +61,14 @@ def child(a: argparse.Namespace) -> None:
         begin_forward(self, *args, **kwargs)
         opens.append((start, time.perf_counter() - t0))
 
-    store.read_run, Prerouting.begin_forward = timed_read, timed_open
+    def timed_step(self, *args, **kwargs):
+        forwards.append(time.perf_counter() - t0)
+        return begin_step(self, *args, **kwargs)
+
+    store.read_run, Prerouting.begin_forward, Telemetry.begin_step = timed_read, timed_open, timed_step
     spec = RunSpec(a.arm, a.checkpoint, a.prompt_tokens, a.decode_tokens, "float32", 0)
     record = measure(spec)
-    record.update(reads=sorted(reads), opens=opens)
+    record.update(reads=sorted(reads), opens=opens, forwards=forwards)
     a.out.write_text(json.dumps(record))
 
 
@@ -79,22 +89,35 @@ def busy(reads: list, start: float, end: float) -> tuple[float, list[tuple[float
 
 
 def report(record: dict) -> None:
-    reads, opens = record["reads"], [s for s, _ in record["opens"]]
+    reads, opens = record["reads"], record["opens"]
+    starts = record.get("forwards") or [s for s, _ in opens]  # records before "forwards": prerouter arms only
     print(f"{record['arm']}: {record['decode_tok_s']:.3f} tok/s, {record['device_bytes_per_token'] / 1e6:.1f} MB/token")
-    if len(opens) < 2:
-        print("(no prerouted forwards: run a prerouter arm to split the timeline by forward)")
+    if len(starts) < 2:
+        print("(no forwards timed)")
         return
     print("| forward | s | disk busy | idle gaps (at s into the forward: s idle) | open s |")
     print("|---|---|---|---|---|")
-    for i, (start, end) in enumerate(zip(opens, opens[1:])):
+    for i, (start, end) in enumerate(zip(starts, starts[1:])):
         total, gaps = busy(reads, start, end)
         shown = ", ".join(f"{at:.2f}: {g:.2f}" for at, g in gaps[:4]) + (" …" if len(gaps) > 4 else "")
-        took = record["opens"][i][1] - record["opens"][i][0]
-        print(f"| {i} | {end - start:.2f} | {total / (end - start):.2f} | {shown} | {took:.3f} |")
-    decoded = opens[1 + WARMUP_STEPS :]
+        took = f"{opens[i][1] - opens[i][0]:.3f}" if len(opens) == len(starts) else "–"
+        print(f"| {i} | {end - start:.2f} | {total / (end - start):.2f} | {shown} | {took} |")
+    decoded = starts[1 + WARMUP_STEPS :]
     if len(decoded) > 1:
         total, _ = busy(reads, decoded[0], decoded[-1])
         print(f"disk busy over the decoded steps' forwards: {total / (decoded[-1] - decoded[0]):.2f}")
+        leads, tails = [], []
+        for start, end in zip(decoded, decoded[1:]):
+            inside = [(s, e) for s, e, _ in reads if start <= s < end]
+            if inside:
+                leads.append(inside[0][0] - start)
+                tails.append(max(0.0, end - max(e for _, e in inside)))
+        if leads:
+            print(
+                f"idle at a decoded forward's start / after its last read, median: "
+                f"{statistics.median(leads):.3f} / {statistics.median(tails):.3f} s "
+                f"(of {statistics.median(b - a for a, b in zip(decoded, decoded[1:])):.3f} s a forward)"
+            )
 
 
 def main() -> None:

@@ -350,6 +350,8 @@ class HotCache:
             if key not in routed and not guess.reads.done():
                 continue
             del self.ahead[key]
+            if guess.displaced is not None and guess.displaced not in self.row_of:
+                self.policy.forget(guess.displaced)  # its row was written, whatever the read's outcome
             try:
                 guess.reads.wait()
             except BaseException as e:
@@ -357,8 +359,6 @@ class HotCache:
                 self.free.append(guess.row)  # the row holds garbage: free, not resident
                 error = error or e
                 continue
-            if guess.displaced is not None and guess.displaced not in self.row_of:
-                self.policy.forget(guess.displaced)
             if key[0] == layer:
                 self.read_ahead.add(key)
         if error is not None:

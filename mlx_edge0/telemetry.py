@@ -33,9 +33,10 @@ class Stats:
             (a bundle read ahead for the call counts in ``lookahead_hits``).
         hot_overlapped: hot-path calls of one token that computed its resident
             experts while its misses were read.
-        lookahead_read: expert bundles read into the hot cache for the next
-            layer before it routed (``lookahead``: its router on this layer's
-            input); their loads and bytes count once the next layer waits.
+        lookahead_read: expert bundles queued to read into the hot cache for
+            the next layer before it routed (``lookahead``: its router on this
+            layer's input); those not started when it routes are dropped, the
+            loads and bytes of those that landed count when a call settles them.
         lookahead_hits: routed experts found in the hot cache because they were
             read ahead for this call (neither ``hot_hits`` nor ``hot_misses``).
         staged_kept / staged_copied / staged_read: slots of staging buffers
@@ -161,7 +162,7 @@ def format_stats(stats: dict) -> str:
         "on the last step",
         f"  hot cache       {hits} hits, {misses} misses{hit_rate}, {stats['prompt_copied']} copied from prompts, "
         f"{stats['hot_overlapped']} calls computed hits while reading misses",
-        f"  read ahead      {stats['lookahead_read']} experts for the next layer, {ahead} of them routed there",
+        f"  read ahead      {stats['lookahead_read']} experts queued for the next layer, {ahead} routed there",
         f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
         f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",
         f"  prerouted       {stats['prerouted']} layer calls, {stats['prerouted_wait_ms']:.1f} ms exposed wait, "

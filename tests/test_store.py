@@ -257,6 +257,42 @@ def test_on_demand_read_does_not_queue_behind_read_ahead(converted, monkeypatch)
     store.close()
 
 
+def test_queued_reads_run_one_at_a_time_in_order_and_cancel_until_started(converted, monkeypatch):
+    """:meth:`ExpertStore.queue_reads`: one thread of their own, in the order
+    given; a read cancelled before it starts never writes its row, the rest
+    land byte for byte."""
+    from mlx_edge0.slots import SlotBuffers
+
+    store, section = _store(converted("qwen3_moe").edge0)
+    release = threading.Event()
+    started = []
+    preadv = os.preadv
+
+    def gated(fd, views, offset):
+        if threading.current_thread().name.startswith("edge0-io-queue"):
+            started.append(offset)
+            release.wait(10)
+        return preadv(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", gated)
+    layer = section.moe_layers[0]
+    rows = SlotBuffers(section.experts, 4, None)
+    batches = store.queue_reads(layer, [6, 2, 7, 1], [0, 1, 2, 3], rows)
+    for _ in range(500):  # the first read starts, then holds the only queue thread
+        if started:
+            break
+        time.sleep(0.01)
+    cancelled = [b.cancel() for b in batches]
+    release.set()
+    batches[0].wait()
+    assert cancelled == [False, True, True, True] and len(started) == 1
+    ref = mx.load(str(converted("qwen3_moe").edge0 / expert_file(layer)))
+    weights = rows.weights()
+    assert mx.array_equal(weights.down_proj.weight[0], ref["experts.6.down_proj.weight"]).item()
+    assert not mx.any(weights.down_proj.weight[1:]).item()  # never written: still the zeros they began as
+    store.close()
+
+
 def test_io_error_in_worker_raises_in_caller(converted, monkeypatch):
     store, section = _store(converted("qwen3_moe").edge0)
 
