@@ -305,7 +305,8 @@ class HotCache:
         still read its rows), as many as fit. They count as resident at once,
         their rows out of every victim choice and copy until
         :meth:`settle_prefetch` finds them landed; a victim is forgotten only
-        then (a dropped read gives its row back). Returns the bundles queued."""
+        once a read has written its row (a dropped read gives the row back to
+        it). Returns the bundles queued."""
         keys = list(dict.fromkeys((layer, int(e)) for e in ids if (layer, int(e)) not in self.row_of))
         unevictable = self._unevictable() | keep
         spare = len(self.free) + sum(k not in unevictable for k in self.row_of)
