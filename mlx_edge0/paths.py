@@ -228,6 +228,8 @@ class StagedPath:
         if len(union[0]) > buffer.capacity:
             self.telemetry.current.staged_fallbacks += 1
             return self.fallback.from_union(layer, x, inds, union)
+        if self.hot is not None:  # a prompt chunk's guesses (hot path) for this layer: landed or dropped
+            self.hot.settle_prefetch(layer, union[0])
         fill = buffer.stage(union[0], self.hot)
         try:
             fill.reads.wait()

@@ -240,6 +240,26 @@ def test_reads_ahead_not_started_are_dropped_and_give_their_rows_back():
     assert not hot.ahead and _row_holds(store, hot, 2, 0) and s.expert_loads == 3 + 1 + 1 + 1 + 1
 
 
+def test_a_staged_decode_settles_what_a_chunk_read_ahead_for_its_layer():
+    """Staged decode after a short prompt on the hot path (the prerouter off):
+    the staged call of the guessed layer drops the guesses not started, so no
+    row stays out of use, and finds a landed one resident: only the other
+    expert is read."""
+    store = FakeStore(LAYERS)
+    _, hot, staged, _ = _paths(store, hot_rows=6)
+    hot.lookahead = _guessing(store, {1: [3, 4]})
+    x = _x(store, 1, 2)
+    store.hold_queue = True
+    hot.experts(0, x, mx.array([[[1, 5], [5, 1]]], mx.uint32))
+    store.run_queue(landed=1)  # 3 landed, 4 still queued
+    one, inds = _x(store, 1, 1), mx.array([[[3, 6]]], mx.uint32)
+    assert mx.array_equal(staged.experts(1, one, inds), expert_glu(one, inds, store.weights(1))).item()
+    assert not hot.hot.ahead and (1, 4) not in hot.hot.row_of
+    s = store.telemetry.current
+    assert store.submitted[-2:] == [(1, [6], True), (1, [], True)]  # through the hot cache: copies only
+    assert (s.lookahead_hits, s.hot_misses, s.staged_copied) == (1, 3, 2)
+
+
 def test_a_failed_read_ahead_is_raised_by_the_next_call_and_leaves_nothing_resident():
     store = FakeStore(LAYERS)
     _, hot, _, _ = _paths(store, hot_rows=6)
