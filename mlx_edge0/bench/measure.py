@@ -34,7 +34,7 @@ PROFILE_TOP = 15
 # Counters kept per decode step (differences of the model's summed counters).
 STEP_COUNTERS = (
     "exposed_wait_ms", "prerouted_wait_ms", "expert_loads", "bytes_read", "reads", "hot_hits", "hot_misses",
-    "staged_kept", "staged_copied", "staged_read", "prerouted", "lookahead_read", "lookahead_hits",
+    "staged_kept", "staged_copied", "staged_read", "prerouted",
 )  # fmt: skip
 
 

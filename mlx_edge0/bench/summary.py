@@ -25,8 +25,6 @@ def run_metrics(r: dict) -> dict:
             m["mib_per_load"] = c.get("bytes_read", 0) / loads / 2**20
         if (rate := hot_hit_rate(c)) is not None:
             m["hot_hit_rate"] = rate
-        if c.get("lookahead_read"):
-            m["lookahead_used"] = c.get("lookahead_hits", 0) / c["lookahead_read"]
         if staged:
             m["staged_hit_rate"] = (staged - c.get("staged_read", 0)) / staged
     if "device_bytes_per_token" in r:

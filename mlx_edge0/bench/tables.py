@@ -90,7 +90,6 @@ def _io_cells(e: dict) -> list[str]:
         cell(stat(e, "mib_per_load", "metrics"), digits=2, spread=False),
         cell(stat(e, "bytes_per_token", "metrics"), MB, 1, spread=False),
         cell(stat(e, "hot_hit_rate", "metrics"), spread=False),
-        cell(stat(e, "lookahead_used", "metrics"), spread=False),
         cell(stat(e, "staged_hit_rate", "metrics"), spread=False),
         cell(stat(e, "hit_rate", "metrics"), spread=False),
         cell(stat(e, "lfu_replay_hit_rate", "metrics"), spread=False),
@@ -104,7 +103,7 @@ def _io_cells(e: dict) -> list[str]:
 
 
 IO_HEADERS = ["exposed wait ms/step", "loads/token", "MiB/load", "MB/token", "hot hit rate",
-              "read ahead and routed", "staged slots filled from memory", "routings served from memory",
+              "staged slots filled from memory", "routings served from memory",
               "replay from empty: LFU", "replay from empty: Belady's MIN",
               "replay from the decode's start: LFU", "replay from the decode's start: Belady's MIN",
               "device MB/token", "experts/layer touched",
