@@ -1,5 +1,5 @@
 """The ``edge0`` command line: ``convert``, ``generate``, ``info``, ``heads
-init``, ``eval`` here; ``serve`` (:mod:`mlx_edge0.serve`), ``bench``
+init``, ``profile``, ``eval`` here; ``serve`` (:mod:`mlx_edge0.serve`), ``bench``
 (:mod:`mlx_edge0.bench.commands`) and ``train`` (:mod:`mlx_edge0.train.commands`)
 from their own modules.
 
@@ -282,6 +282,62 @@ def heads_init(checkpoint: Path, seed: int, k: int) -> None:
     click.echo(
         f"wrote {path}: {len(spec.owners)} heads, owners {list(spec.owners)} -> "
         f"consumers {list(spec.consumers)}, K={spec.k}"
+    )
+
+
+@main.command("profile")
+@click.argument("checkpoint", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option(
+    "--text",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="A UTF-8 text file like what the model will be asked to run; its tokens are counted.",
+)
+@click.option(
+    "--random-tokens",
+    type=int,
+    default=0,
+    help="Count this many seeded random token ids instead (a synthetic checkpoint, which has no text of its own).",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of --random-tokens.")
+@click.option("--max-tokens", default=4096, show_default=True, help="Count at most this many tokens of --text.")
+def profile_command(checkpoint: Path, text: Optional[Path], random_tokens: int, seed: int, max_tokens: int) -> None:
+    """Count how often each expert is routed to on a text and write the counts
+    into CHECKPOINT (popularity.safetensors): a load seeds its hot cache with
+    them, so a short decode keeps the popular experts from its first token."""
+    import numpy as np
+
+    from . import load
+    from .checkpoint import CheckpointError, read_config, text_config
+    from .popularity import measure_profile, save_profile
+    from .tensorfile import TensorFileError
+
+    if (text is None) == (random_tokens <= 0):
+        _fail("give one of --text FILE or --random-tokens N (N >= 1)")
+    if max_tokens < 1:
+        _fail(f"--max-tokens must be at least 1, got {max_tokens}")
+    try:
+        model, tokenizer = load(checkpoint, prerouter=False, lookahead=False, popularity_prior=False)
+    except (CheckpointError, TensorFileError, ValueError) as e:
+        _fail(str(e))
+    if text is not None:
+        try:
+            content = text.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"{text}: cannot be read as UTF-8 text ({e})")
+        tokens = list(tokenizer.encode(content))[:max_tokens]
+        if not tokens:
+            _fail(f"{text}: no tokens to count (the file is empty)")
+        source = f"text {text.name}"
+    else:
+        vocab = text_config(read_config(checkpoint))["vocab_size"]
+        tokens = np.random.default_rng(seed).integers(0, vocab, random_tokens).tolist()
+        source = f"random tokens, seed {seed}"
+    profile = measure_profile(model, tokens, source)
+    path = save_profile(checkpoint, profile)
+    click.echo(
+        f"wrote {path}: {len(profile.layers)} MoE layers x {profile.counts.shape[1]} experts, "
+        f"{profile.tokens} tokens ({source}), K={profile.k}"
     )
 
 

@@ -4,7 +4,8 @@ in one byte budget, computed from in place.
 All MoE layers share one geometry, so the cache is a single
 :class:`SlotBuffers` whose rows hold ``(layer, expert)`` bundles; a routed
 expert that is resident is gathered straight from its row (no copy), a miss is
-read from disk into a victim row first.
+read from disk into a victim row first. A checkpoint's routing profile
+(``edge0 profile``) seeds the policy's counts (:meth:`HotCache.add_prior`).
 
 Policy: :class:`FrequencyPolicy` (LFU with periodic halving, ties broken by
 recency) is the default because it measured a higher hit rate than LRU on the
@@ -58,6 +59,10 @@ class LRUPolicy:
             self.clock += n
             self.last[k] = self.clock
 
+    def add_prior(self, counts: Mapping[Hashable, float]) -> None:
+        """A routing profile's counts (:meth:`FrequencyPolicy.add_prior`):
+        recency has no use for them."""
+
     def priority(self, key: Hashable):
         """How much the policy wants ``key`` kept: victims are the lowest."""
         return self.last.get(key, 0)
@@ -99,6 +104,13 @@ class FrequencyPolicy(LRUPolicy):
             self.count[k] = self.count.get(k, 0.0) + n
             if halvings:
                 self.count = {key: c / 2**halvings for key, c in self.count.items()}
+
+    def add_prior(self, counts: Mapping[Hashable, float]) -> None:
+        """Start from ``counts`` uses of each key, seen before any touch (a
+        routing profile's, :func:`mlx_edge0.popularity.prior_counts`); they
+        halve with the rest."""
+        for k, c in counts.items():
+            self.count[k] = self.count.get(k, 0.0) + c
 
     def priority(self, key: Hashable):
         return self.count.get(key, 0.0), self.last.get(key, 0)
@@ -178,6 +190,12 @@ class HotCache:
             self.policy.forget(k)
         self.free = self.free[len(placed) - len(evicted) :]
         return placed
+
+    def add_prior(self, counts: Mapping[Key, float]) -> None:
+        """Count a routing profile's uses (:func:`mlx_edge0.popularity.prior_counts`)
+        as seen before the first call, so victims are the experts the profile
+        found least popular until the calls' own uses outweigh it (LFU)."""
+        self.policy.add_prior(counts)
 
     def admit(self, layer: int, used: Sequence[int], read: Sequence[tuple[int, int]], source: SlotBuffers) -> None:
         """A staging fill of ``layer`` used experts ``used`` and read ``read``

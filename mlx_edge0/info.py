@@ -23,12 +23,13 @@ from .checkpoint import (
 )
 from .integrity import check_generation
 from .lora import has_adapters, read_adapters
+from .popularity import PROFILE_FILE, load_profile
 from .prerouter_heads import load_heads
 from .store import LayerFile
 from .tensorfile import read_header
 from .trust import checkpoint_dir, inspect_code
 
-OPTIONAL_FILES = ("prerouter.safetensors", "adapters.safetensors", "adapter_config.json")
+OPTIONAL_FILES = ("prerouter.safetensors", "adapters.safetensors", "adapter_config.json", PROFILE_FILE)
 
 
 def describe(path: Path | str) -> dict[str, Any]:
@@ -46,6 +47,7 @@ def describe(path: Path | str) -> dict[str, Any]:
     if section.prerouter:
         # validates file, ownership, shapes, K against config.json, source hash
         load_heads(path, section, int(section.prerouter.get("k", 0)))
+    profile = load_profile(path, section)  # validates it against this checkpoint
     adapters = None
     if has_adapters(path):
         a = read_adapters(path, k=section.consumer_k)  # validates both files against this checkpoint
@@ -102,6 +104,9 @@ def describe(path: Path | str) -> dict[str, Any]:
         "optional_files": {name: (path / name).exists() for name in OPTIONAL_FILES},
         "prerouter": section.prerouter,
         "adapters": adapters,
+        "routing_profile": None
+        if profile is None
+        else {"tokens": profile.tokens, "k": profile.k, "source": profile.source},
     }
 
 
@@ -139,6 +144,12 @@ def _adapters_line(adapters) -> str:
     )
 
 
+def _profile_line(profile) -> str:
+    if not profile:
+        return "no (`edge0 profile` counts a text's routings; the hot cache starts from them)"
+    return f"{profile['tokens']} tokens ({profile['source']}), K={profile['k']}: seeds the hot cache's counts"
+
+
 def format_description(d: dict[str, Any]) -> str:
     g = d["experts"]
     lines = [
@@ -154,6 +165,7 @@ def format_description(d: dict[str, Any]) -> str:
         f"  quantization    {d['quantization']}",
         f"  prerouter heads {_heads_line(d['prerouter'])}",
         f"  LoRA adapters   {_adapters_line(d['adapters'])}",
+        f"  routing profile {_profile_line(d['routing_profile'])}",
     ]
     shim = d["shim"]
     if shim["ours"]:

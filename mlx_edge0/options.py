@@ -93,6 +93,11 @@ class Options:
             cache never holds more than all the experts, so a budget above
             their size allocates their size.
         hot_policy: "lfu" (frequency with aging) or "lru".
+        popularity_prior: seed the hot cache's counts with the checkpoint's
+            routing profile (``popularity.safetensors``, written by ``edge0
+            profile``) when it has one, so a short decode's cache keeps the
+            experts popular on that text rather than learning it (weighted
+            as :data:`mlx_edge0.popularity.PRIOR_TOKENS` tokens' routings).
         lookahead: for a prompt chunk on the hot path (one too short to read
             whole layers), while a layer computes, read into the hot cache
             the experts the next MoE layer's own router picks from this
@@ -156,6 +161,9 @@ class Options:
         "auto", "Hot expert cache budget in GiB ('auto': from available memory; 0: off).", parse=parse_cache_gib
     )
     hot_policy: str = _option("lfu", choices=HOT_POLICIES)
+    popularity_prior: bool = _option(
+        True, "Seed the hot cache's counts with the checkpoint's routing profile (edge0 profile), if it has one."
+    )
     lookahead: bool = _option(
         True, "Prompt chunks on the hot path read the next layer's likely experts while a layer computes."
     )

@@ -40,8 +40,10 @@ Union = tuple[np.ndarray, np.ndarray]  # sorted unique expert ids, each index's 
 
 def routed_union(layer: int, inds: mx.array, telemetry: Telemetry) -> Union:
     """Sorted unique experts of ``inds`` and each index's position among them
-    (a host sync); appended to ``telemetry.routing_trace`` when one is recording."""
+    (a host sync); appended to ``telemetry.routing_trace`` when one is recording,
+    counted in ``telemetry.routing_counts`` when one is counting."""
     host = np.array(inds)  # evaluates the graph up to this layer's router
+    telemetry.count_routings(layer, host)
     ids, inverse = np.unique(host, return_inverse=True)
     if telemetry.routing_trace is not None:
         telemetry.routing_trace.append((layer, ids.tolist()))
@@ -247,8 +249,15 @@ class WholeLayerPath:
 
     name = "whole-layer"
 
-    def __init__(self, loader: WholeLayerLoader, compute_dtype: Optional[mx.Dtype], hot: Optional[HotCache] = None):
+    def __init__(
+        self,
+        loader: WholeLayerLoader,
+        telemetry: Telemetry,
+        compute_dtype: Optional[mx.Dtype],
+        hot: Optional[HotCache] = None,
+    ):
         self.loader = loader
+        self.telemetry = telemetry
         self.compute_dtype = compute_dtype
         self.hot = hot
 
@@ -260,6 +269,9 @@ class WholeLayerPath:
         # by the previous layer) lands; then start the next layer's read.
         mx.eval(inds)
         rows = self.loader.take(layer)
-        if self.hot is not None:
-            self.hot.copy_prompt_experts(layer, np.array(inds).ravel(), rows, self.loader.row_of_expert)
+        if self.hot is not None or self.telemetry.routing_counts is not None:
+            host = np.array(inds)
+            self.telemetry.count_routings(layer, host)
+            if self.hot is not None:
+                self.hot.copy_prompt_experts(layer, host.ravel(), rows, self.loader.row_of_expert)
         return expert_glu(x, self.loader.rows(inds), rows.weights().with_scales_dtype(self.compute_dtype))

@@ -34,6 +34,7 @@ from .options import MIN_STAGED_WINDOW, Options
 from .parallel import ExpertShard
 from .paths import ExactPath, HotPath, NextLayerRouting, StagedPath, WholeLayerPath
 from .prefill import WholeLayerLoader
+from .popularity import load_profile, prior_counts
 from .prerouter_heads import load_heads
 from .prerouting import Plan, Prerouting, Route, grown_window
 from .slots import SlotBuffers
@@ -152,6 +153,9 @@ class StreamingRuntime:
         experts = range(g.num_experts) if owned is None else [int(e) for e in owned]
         for layer in self.permanent_layers:
             self.hot.add_permanent(layer, experts)
+        profile = load_profile(checkpoint_dir, section) if self.hot is not None and options.popularity_prior else None
+        if profile is not None:
+            self.hot.add_prior(prior_counts(profile, self.k_of, experts))
         dtype, tel = self.compute_dtype, self.telemetry
         self.exact = ExactPath(self.store, tel, dtype, pool_dtype, max(self.k_of.values()))
         self.decode_fallback = HotPath(self.hot, self.exact, tel, dtype) if self.hot else self.exact
@@ -160,7 +164,7 @@ class StreamingRuntime:
             if options.staged
             else self.decode_fallback
         )
-        self.whole_layer = WholeLayerPath(self.loader, dtype, self.hot)
+        self.whole_layer = WholeLayerPath(self.loader, tel, dtype, self.hot)
         self.first_layer = layers[0]
         self.layers = layers
         # The hot path's lookahead guesses with the next layer's gate: not where that

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional
 
+import numpy as np
+
 
 @dataclass
 class Stats:
@@ -103,7 +105,10 @@ class Telemetry:
     ones included (e.g. to compare cache policies on a real trace); an
     expert-parallel rank records the experts it computes. ``read_trace``: set it to a list
     to record ``(layer, expert ids)`` of every read the store starts (e.g. to
-    check which experts a rank reads).
+    check which experts a rank reads). ``routing_counts``: set it to a dict to
+    count, per MoE layer, each expert's routings over every call that brings
+    its routing to the host, a prompt chunk's tokens each counted (what
+    ``edge0 profile`` records).
     """
 
     total: Stats = field(default_factory=Stats)
@@ -111,6 +116,7 @@ class Telemetry:
     last_step: Stats = field(default_factory=Stats)
     routing_trace: Optional[list[tuple[int, list[int]]]] = None
     read_trace: Optional[list[tuple[int, list[int]]]] = None
+    routing_counts: Optional[dict[int, np.ndarray]] = None
     opened_at: float = 0.0  # time.perf_counter() when the running step opened
 
     def begin_step(self, tokens: int) -> Optional[Stats]:
@@ -125,6 +131,19 @@ class Telemetry:
         self.current = Stats(steps=1, tokens=tokens)
         self.opened_at = now
         return closed
+
+    def count_routings(self, layer: int, inds: np.ndarray) -> None:
+        """Add a call's routed expert ids (any shape) to ``routing_counts``
+        when it is counting."""
+        if self.routing_counts is None:
+            return
+        counts = np.bincount(inds.ravel().astype(np.int64))
+        held = self.routing_counts.get(layer)
+        if held is not None:
+            if len(held) > len(counts):
+                held, counts = counts, held
+            counts[: len(held)] += held
+        self.routing_counts[layer] = counts
 
     def summed(self) -> Stats:
         return self.total + self.current

@@ -55,7 +55,7 @@ def _paths(store, hot_rows=6, staged_rows=K):
     hot_path = HotPath(hot, exact, tel, None)
     staging = {layer: StagingBuffer(store, layer, staged_rows, None) for layer in LAYERS}
     staged = StagedPath(staging, hot_path, hot, tel, None)
-    whole = WholeLayerPath(WholeLayerLoader(store, LAYERS, None), None)
+    whole = WholeLayerPath(WholeLayerLoader(store, LAYERS, None), tel, None)
     return exact, hot_path, staged, whole
 
 
@@ -307,7 +307,7 @@ def test_a_prompt_keeps_its_most_routed_experts_without_reading_them():
     decode then computes from the copies without a read."""
     store = FakeStore(LAYERS)
     _, hot, _, _ = _paths(store, hot_rows=3)
-    whole = WholeLayerPath(WholeLayerLoader(store, LAYERS, None), None, hot.hot)
+    whole = WholeLayerPath(WholeLayerLoader(store, LAYERS, None), store.telemetry, None, hot.hot)
     prompt = mx.array([[[3, 1], [3, 5], [3, 1], [6, 3], [1, 7]]], mx.uint32)  # 3: 4 uses, 1: 3, 5/6/7: 1
     x = _x(store, 1, 5)
     whole.begin(0)

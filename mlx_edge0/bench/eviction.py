@@ -184,13 +184,19 @@ def make_policy(
     lookahead: int = 1,
     popularity: Optional[Mapping[Key, float]] = None,
     lfu_aging: int = LFU_AGING,
+    prior: Optional[Mapping[Key, float]] = None,
 ):
     """The victim chooser called ``name`` (one of :data:`POLICY_NAMES`, or
     :data:`POPULARITY` with ``popularity`` given); LFU's counts halve every
-    ``lfu_aging`` x ``capacity`` touches (0: never)."""
+    ``lfu_aging`` x ``capacity`` touches (0: never); ``prior``: counts the
+    runtime's policies start from (a routing profile's,
+    :func:`mlx_edge0.popularity.prior_counts`)."""
 
     def base(base_name: str) -> LRUPolicy:
-        return FrequencyPolicy(capacity, lfu_aging) if base_name == "lfu" else POLICIES[base_name](capacity)
+        policy = FrequencyPolicy(capacity, lfu_aging) if base_name == "lfu" else POLICIES[base_name](capacity)
+        if prior:
+            policy.add_prior(prior)
+        return policy
 
     if name == "min":
         return BeladyPolicy(calls)
@@ -217,6 +223,7 @@ def simulate(
     resident: Sequence[Key] = (),
     popularity: Optional[Mapping[Key, float]] = None,
     lfu_aging: int = LFU_AGING,
+    prior: Optional[Mapping[Key, float]] = None,
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -235,6 +242,8 @@ def simulate(
         popularity: for :data:`POPULARITY`, each key's popularity.
         lfu_aging: LFU's counts halve every ``lfu_aging`` x ``capacity``
             touches (0: never); the runtime's is the default.
+        prior: counts LFU (and ``lfu+next``) starts from, as the runtime's
+            cache does from a routing profile.
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
@@ -261,6 +270,7 @@ def simulate(
         len(trace.layers) if lookahead is None else lookahead,
         popularity,
         lfu_aging,
+        prior,
     )
     cached: dict[Key, int] = {k: row for row, k in enumerate(start)}
     free = list(range(len(cached), capacity))

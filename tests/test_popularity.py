@@ -1,0 +1,181 @@
+"""The routing profile: ``edge0 profile`` counts a text's routings, the file
+is validated against its checkpoint, and a load seeds the hot cache's LFU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlx_edge0
+from mlx_edge0.bench.eviction import simulate
+from mlx_edge0.bench.locality import RoutingTrace
+from mlx_edge0.checkpoint import CheckpointError, Edge0Section, read_config
+from mlx_edge0.cli import main
+from mlx_edge0.hot import FrequencyPolicy
+from mlx_edge0.popularity import (
+    PROFILE_FILE,
+    RoutingProfile,
+    load_profile,
+    measure_profile,
+    prior_counts,
+    save_profile,
+)
+from mlx_edge0.tensorfile import TensorWriter
+
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture
+def checkpoint(converted, tmp_path):
+    path = tmp_path / "edge0"
+    shutil.copytree(converted(FAMILY).edge0, path)
+    return path
+
+
+def _section(path) -> Edge0Section:
+    return Edge0Section.from_config(read_config(path), path / "config.json")
+
+
+def _tokens(n: int) -> list[int]:
+    return np.random.default_rng(7).integers(0, 256, n).tolist()
+
+
+def test_a_prompt_chunk_and_single_tokens_count_the_same_routings(checkpoint):
+    """Every token counted once per MoE layer, K routings each, whether a
+    chunk goes through the whole-layer path or tokens go one by one through
+    the hot path: the two counting sites agree exactly."""
+    tokens = _tokens(48)
+    whole = measure_profile(mlx_edge0.load_model(checkpoint, prefill="whole-layer"), tokens, "t", 48, False)
+    single = measure_profile(mlx_edge0.load_model(checkpoint), tokens, "t", 1, False)
+    section = _section(checkpoint)
+    k = section.num_experts_per_tok
+    assert whole.counts.shape == (len(section.moe_layers), section.experts.num_experts)
+    assert (whole.counts.sum(axis=1) == 48 * k).all()
+    assert np.array_equal(whole.counts, single.counts)
+    assert whole.tokens == 48 and whole.k == k and whole.layers == section.moe_layers
+
+
+def test_the_command_writes_a_profile_that_info_and_verify_accept(checkpoint, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(main, ["profile", str(checkpoint), "--random-tokens", "40", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    assert (
+        f"wrote {checkpoint / PROFILE_FILE}: 3 MoE layers x 16 experts, 40 tokens (random tokens, seed 3)" in r.output
+    )
+    profile = load_profile(checkpoint, _section(checkpoint))
+    assert profile.tokens == 40 and profile.source == "random tokens, seed 3"
+    assert (profile.counts.sum(axis=1) == 40 * profile.k).all()
+    r = runner.invoke(main, ["info", str(checkpoint)])
+    assert "routing profile 40 tokens (random tokens, seed 3), K=4: seeds the hot cache's counts" in r.output
+    r = runner.invoke(main, ["info", "--verify", str(checkpoint)])
+    assert r.exit_code == 0 and "verify          ok" in r.output, r.output
+
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 8)
+    r = runner.invoke(main, ["profile", str(checkpoint), "--text", str(text), "--max-tokens", "20"])
+    assert r.exit_code == 0, r.output
+    assert load_profile(checkpoint, _section(checkpoint)).tokens == 20
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "give one of --text FILE or --random-tokens N"),
+        (["--random-tokens", "4", "--text", "x.txt"], "give one of --text FILE or --random-tokens N"),
+        (["--text", "{bad}"], "cannot be read as UTF-8 text"),
+        (["--text", "{empty}"], "no tokens to count (the file is empty)"),
+        (["--random-tokens", "4", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    ],
+)
+def test_bad_command_input_is_a_clear_error_and_writes_nothing(checkpoint, tmp_path, args, message):
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\xfa not utf-8")
+    (tmp_path / "empty.txt").write_text("")
+    args = [a.format(bad=tmp_path / "bad.txt", empty=tmp_path / "empty.txt") for a in args]
+    r = CliRunner().invoke(main, ["profile", str(checkpoint), *args])
+    assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output
+    assert not (checkpoint / PROFILE_FILE).exists()
+
+
+def test_a_load_seeds_the_hot_cache_with_the_profile_unless_told_not_to(checkpoint):
+    section = _section(checkpoint)
+    counts = np.zeros((len(section.moe_layers), section.experts.num_experts), np.float32)
+    counts[:, 5] = 30
+    counts[:, 9] = 10
+    save_profile(checkpoint, RoutingProfile(section.moe_layers, counts, 10, 4, "hand-made"))
+    hot = mlx_edge0.load_model(checkpoint).edge0_runtime.hot
+    k = section.num_experts_per_tok
+    # 128 tokens' worth of K routings, split 3:1
+    assert hot.policy.count == {(layer, 5): 96.0 * k for layer in section.moe_layers} | {
+        (layer, 9): 32.0 * k for layer in section.moe_layers
+    }
+    assert mlx_edge0.load_model(checkpoint, popularity_prior=False).edge0_runtime.hot.policy.count == {}
+
+
+def test_prior_counts_split_each_layers_weight_by_its_shares():
+    counts = np.array([[3, 1, 0, 0], [0, 0, 0, 0]], np.float32)
+    profile = RoutingProfile((1, 2), counts, 2, 2, "x")
+    assert prior_counts(profile, {1: 4, 2: 4, 7: 4}, tokens=10) == {(1, 0): 30.0, (1, 1): 10.0}
+    assert prior_counts(profile, {1: 2}, experts=[1, 3], tokens=10) == {(1, 1): 5.0}
+
+
+def test_a_prior_keeps_the_popular_expert_that_plain_lfu_evicts():
+    """Two rows, filled by 1 and 2 (twice each) before 0, which is then used
+    every other call. Plain LFU evicts 0 for 3 (0 has been seen once, 2
+    twice) and reads it again; told 0 is popular, it evicts 2 instead and
+    hits on every later 0."""
+    calls = [[1], [1], [2], [2], [0], [3], [0], [4], [0], [5], [0]]
+    trace = RoutingTrace(layers=[1], num_experts=8, k=1, tokens=[(tuple(c),) for c in calls])
+    plain = simulate(trace, 2, "lfu")
+    told = simulate(trace, 2, "lfu", prior={(1, 0): 2.0})
+    assert (plain.hits, told.hits) == (4, 5)
+    policy = FrequencyPolicy(4)
+    policy.add_prior({"a": 1.5})
+    policy.touch(["b", "b"])
+    assert policy.victims(["a", "b", "c"], 2) == ["c", "a"]
+
+
+def _write(checkpoint, counts, **metadata):
+    config = read_config(checkpoint)
+    meta = {
+        "format": "edge0-popularity",
+        "version": "1",
+        "layers": json.dumps(list(config["edge0"]["moe_layers"])),
+        "tokens": "4",
+        "k": "4",
+        "generation": config["edge0"]["generation"],
+    } | metadata
+    with TensorWriter(checkpoint / PROFILE_FILE, [("counts", "F32", counts.shape)], meta) as w:
+        w.write("counts", counts)
+
+
+@pytest.mark.parametrize(
+    "counts, metadata, message",
+    [
+        (np.ones((3, 16), np.float32), {"generation": "0123456789abcdef"}, "files of two conversions are mixed"),
+        (np.ones((3, 8), np.float32), {}, "expected one F32 tensor 'counts' of shape [3, 16]"),
+        (np.full((3, 16), -1, np.float32), {}, "counts must be finite and >= 0"),
+        (np.full((3, 16), np.nan, np.float32), {}, "counts must be finite and >= 0"),
+        (np.ones((3, 16), np.float32), {"format": "edge0-prerouter"}, "not an edge0 routing profile"),
+        (np.ones((3, 16), np.float32), {"layers": "[0, 1, 2]"}, "counts are for MoE layers [0, 1, 2]"),
+        (np.ones((3, 16), np.float32), {"tokens": "many"}, "malformed metadata"),
+    ],
+)
+def test_a_bad_profile_is_refused_naming_the_file(checkpoint, counts, metadata, message):
+    _write(checkpoint, counts, **metadata)
+    with pytest.raises(CheckpointError, match="popularity.safetensors") as e:
+        load_profile(checkpoint, _section(checkpoint))
+    assert message in str(e.value)
+    r = CliRunner().invoke(main, ["generate", "--model", str(checkpoint), "--max-tokens", "2"])
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
+
+
+def test_a_truncated_profile_is_refused_naming_the_file(checkpoint):
+    _write(checkpoint, np.ones((3, 16), np.float32))
+    path = checkpoint / PROFILE_FILE
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="popularity.safetensors"):
+        load_profile(checkpoint, _section(checkpoint))
