@@ -106,9 +106,10 @@ class Telemetry:
     expert-parallel rank records the experts it computes. ``read_trace``: set it to a list
     to record ``(layer, expert ids)`` of every read the store starts (e.g. to
     check which experts a rank reads). ``routing_counts``: set it to a dict to
-    count, per MoE layer, each expert's routings over every call that brings
-    its routing to the host, a prompt chunk's tokens each counted (what
-    ``edge0 profile`` records).
+    count, per MoE layer, each expert's routings over every call the
+    on-demand and whole-layer paths make, a prompt chunk's tokens each
+    counted (prerouted calls are not: ``edge0 profile`` loads with the
+    prerouter off).
     """
 
     total: Stats = field(default_factory=Stats)
