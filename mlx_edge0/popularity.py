@@ -21,7 +21,6 @@ all of it and names the file on any mismatch.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -33,7 +32,7 @@ from .atomic import atomic_path, write_json_atomic
 from .checkpoint import CONFIG_FILE, CheckpointError, Edge0Section, read_config
 from .integrity import GENERATION_KEY, check_generation
 from .progress import bar
-from .tensorfile import TensorFileError, TensorWriter, read_header
+from .tensorfile import TensorFileError, TensorWriter, read_header, row_reader
 
 PROFILE_FILE = "popularity.safetensors"
 PROFILE_FORMAT = "edge0-popularity"
@@ -197,11 +196,10 @@ def load_profile(checkpoint: Path, section: Edge0Section) -> Optional[RoutingPro
     if entry is None or entry.dtype != "F32" or entry.shape != shape or len(header.entries) != 1:
         found = {n: (e.dtype, list(e.shape)) for n, e in header.entries.items()}
         raise fail(f"expected one F32 tensor {COUNTS!r} of shape {list(shape)}, found {found}")
-    with open(path, "rb") as f:
-        data = os.pread(f.fileno(), entry.nbytes, entry.start)
-    if len(data) != entry.nbytes:
-        raise fail("short read (the file is truncated)")
-    counts = np.frombuffer(data, "<f4").reshape(shape).copy()
+    try:
+        counts = np.array(row_reader(path)(COUNTS, 0, shape[0]))
+    except TensorFileError as e:
+        raise CheckpointError(str(e)) from None
     if not np.isfinite(counts).all() or (counts < 0).any():
         raise fail("counts must be finite and >= 0")
     if tokens < 0 or k < 1:
