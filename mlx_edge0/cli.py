@@ -309,7 +309,7 @@ def profile_command(checkpoint: Path, text: Optional[Path], random_tokens: int, 
 
     from . import load
     from .checkpoint import CheckpointError, read_config, text_config
-    from .popularity import measure_profile, save_profile
+    from .popularity import describe_k, measure_profile, save_profile
     from .tensorfile import TensorFileError
 
     if (text is None) == (random_tokens <= 0):
@@ -337,7 +337,7 @@ def profile_command(checkpoint: Path, text: Optional[Path], random_tokens: int, 
     path = save_profile(checkpoint, profile)
     click.echo(
         f"wrote {path}: {len(profile.layers)} MoE layers x {profile.counts.shape[1]} experts, "
-        f"{profile.tokens} tokens ({source}), K={profile.k}"
+        f"{profile.tokens} tokens ({source}), {describe_k(profile.layers, profile.k)}"
     )
 
 

@@ -23,7 +23,7 @@ from .checkpoint import (
 )
 from .integrity import check_generation
 from .lora import has_adapters, read_adapters
-from .popularity import PROFILE_FILE, load_profile
+from .popularity import PROFILE_FILE, describe_k, load_profile
 from .prerouter_heads import load_heads
 from .store import LayerFile
 from .tensorfile import read_header
@@ -106,7 +106,7 @@ def describe(path: Path | str) -> dict[str, Any]:
         "adapters": adapters,
         "routing_profile": None
         if profile is None
-        else {"tokens": profile.tokens, "k": profile.k, "source": profile.source},
+        else {"tokens": profile.tokens, "layers": list(profile.layers), "k": list(profile.k), "source": profile.source},
     }
 
 
@@ -147,7 +147,8 @@ def _adapters_line(adapters) -> str:
 def _profile_line(profile) -> str:
     if not profile:
         return "no (`edge0 profile` counts a text's routings; the hot cache starts from them)"
-    return f"{profile['tokens']} tokens ({profile['source']}), K={profile['k']}: seeds the hot cache's counts"
+    k = describe_k(profile["layers"], profile["k"])
+    return f"{profile['tokens']} tokens ({profile['source']}), {k}: seeds the hot cache's counts"
 
 
 def format_description(d: dict[str, Any]) -> str:

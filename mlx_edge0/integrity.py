@@ -9,9 +9,10 @@ Invariants:
   A mismatch means files of two conversions are mixed and is refused,
   naming the file. Checkpoints without one (made before generations
   existed) are not checked.
-- ``edge0.sha256`` maps every file convert wrote (and the heads file saved
-  later) to its SHA-256, so :func:`verify` finds files changed in place
-  (tampering, bit rot) as well as non-finite scales.
+- ``edge0.sha256`` maps every file convert wrote (and the heads and
+  routing profile files saved later: :func:`record_sha256`) to its SHA-256,
+  so :func:`verify` finds files changed in place (tampering, bit rot) as
+  well as non-finite scales.
 - :func:`load_consistently` makes a load see one conversion: it notes
   config.json before and after loading and loads again when
   ``convert --force`` (or a heads save) replaced it meanwhile.
@@ -53,6 +54,17 @@ T = TypeVar("T")
 def new_generation() -> str:
     """A fresh id for one conversion (64 random bits, hex)."""
     return secrets.token_hex(8)
+
+
+def record_sha256(config: dict, name: str, digest: str) -> bool:
+    """Record a file saved after convert in config.json's ``edge0.sha256``,
+    so ``edge0 info --verify`` covers it. A checkpoint convert recorded no
+    checksums for is left without (True when recorded: write the config)."""
+    recorded = config["edge0"].get("sha256")
+    if not isinstance(recorded, dict):
+        return False
+    recorded[name] = digest
+    return True
 
 
 def check_generation(
@@ -273,6 +285,7 @@ __all__ = [
     "load_consistently",
     "new_generation",
     "nonfinite_count",
+    "record_sha256",
     "sha256_file",
     "verify",
 ]

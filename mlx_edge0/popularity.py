@@ -12,8 +12,9 @@ synthetic checkpoint) and writes each MoE layer's routing counts to
 what the decode itself routes soon counts as much.
 
 File: tensor ``counts`` (float32, ``[MoE layers, E]``, routings counted);
-metadata: format, version, the MoE layers, tokens counted, K, the source of
-the text, the checkpoint's generation. Saving records its SHA-256 in
+metadata: format, version, the MoE layers, tokens counted, each layer's K
+(a layer the prerouter heads predict routes at their K, the others at the
+checkpoint's), the source of the text, the checkpoint's generation. Saving records its SHA-256 in
 ``edge0.sha256`` (so ``edge0 info --verify`` covers it). Loading validates
 all of it and names the file on any mismatch.
 """
@@ -30,13 +31,13 @@ import numpy as np
 
 from .atomic import atomic_path, write_json_atomic
 from .checkpoint import CONFIG_FILE, CheckpointError, Edge0Section, read_config
-from .integrity import GENERATION_KEY, check_generation
+from .integrity import GENERATION_KEY, check_generation, record_sha256
 from .progress import bar
 from .tensorfile import TensorFileError, TensorWriter, read_header, row_reader
 
 PROFILE_FILE = "popularity.safetensors"
 PROFILE_FORMAT = "edge0-popularity"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: K per MoE layer
 COUNTS = "counts"
 # The prior weighs as much as this many tokens' routings. Lighter, LFU learns
 # little from it; heavier, it keeps the profile's favourites over what the
@@ -56,14 +57,14 @@ class RoutingProfile:
         layers: the MoE layers, one row of ``counts`` each.
         counts: ``[len(layers), E]`` float32, routings of each expert.
         tokens: tokens the counts were made from.
-        k: experts a token was routed to (the checkpoint's K, or the K asked for).
+        k: experts a token was routed to on each MoE layer, one per row.
         source: what text was run (a file name, or random tokens and their seed).
     """
 
     layers: tuple[int, ...]
     counts: np.ndarray
     tokens: int
-    k: int
+    k: tuple[int, ...]
     source: str
 
     def shares(self) -> np.ndarray:
@@ -73,15 +74,29 @@ class RoutingProfile:
 
 
 def profile_of(
-    counted: Mapping[int, np.ndarray], layers: Sequence[int], num_experts: int, tokens: int, k: int, source: str
+    counted: Mapping[int, np.ndarray],
+    k_of: Mapping[int, int],
+    layers: Sequence[int],
+    num_experts: int,
+    tokens: int,
+    source: str,
 ) -> RoutingProfile:
     """The profile of per-layer routing counts (``Telemetry.routing_counts``:
-    layer -> counts by expert id, possibly shorter than ``num_experts``)."""
+    layer -> counts by expert id, possibly shorter than ``num_experts``),
+    made with ``k_of`` (layer -> the K it routed with)."""
     counts = np.zeros((len(layers), num_experts), np.float32)
     for row, layer in enumerate(layers):
         c = np.asarray(counted.get(layer, ()), np.float64)[:num_experts]
         counts[row, : len(c)] = c
-    return RoutingProfile(tuple(layers), counts, tokens, k, source)
+    return RoutingProfile(tuple(layers), counts, tokens, tuple(k_of[layer] for layer in layers), source)
+
+
+def describe_k(layers: Sequence[int], k: Sequence[int]) -> str:
+    """``K=4``, or ``K=4 (8 on layer 0)`` where some MoE layers routed at another K."""
+    k = list(k)
+    common = max(set(k), key=k.count)
+    others = ", ".join(f"{x} on layer {layer}" for layer, x in zip(layers, k) if x != common)
+    return f"K={common}" + (f" ({others})" if others else "")
 
 
 def measure_profile(
@@ -96,19 +111,22 @@ def measure_profile(
     if not tokens:
         raise ValueError("no tokens to profile")
     runtime, section = model.edge0_runtime, model.edge0_section
-    runtime.telemetry.routing_counts = {}
+    telemetry, layers = runtime.telemetry, len(section.moe_layers)
+    chunks = range(0, len(tokens), chunk)
     cache = make_prompt_cache(model)
-    try:
-        with bar(len(tokens), "edge0 profile", unit="tok", show=show_progress) as progress:
-            for start in range(0, len(tokens), chunk):
-                piece = tokens[start : start + chunk]
-                mx.eval(model(mx.array(piece)[None], cache=cache))
-                progress.update(len(piece))
-        counted = runtime.telemetry.routing_counts
-    finally:
-        runtime.telemetry.routing_counts = None
-    k = max(runtime.k_of.values())
-    return profile_of(counted, section.moe_layers, section.experts.num_experts, len(tokens), k, source)
+    # Counted by MoE layer: one forward of a chunk is most of an hour for a
+    # large model on a CPU, and a bar by chunks would sit still through it.
+    with bar(len(chunks) * layers, "edge0 profile", unit="layer", show=show_progress) as progress:
+        telemetry.routing_counts, telemetry.counted_layer = {}, lambda _: progress.update()
+        try:
+            for done, start in enumerate(chunks, 1):
+                mx.eval(model(mx.array(tokens[start : start + chunk])[None], cache=cache))
+                progress.n = done * layers  # a path that counts a layer twice cannot run it past the end
+                progress.refresh()
+            counted = telemetry.routing_counts
+        finally:
+            telemetry.routing_counts, telemetry.counted_layer = None, None
+    return profile_of(counted, runtime.k_of, section.moe_layers, section.experts.num_experts, len(tokens), source)
 
 
 def prior_counts(
@@ -144,7 +162,7 @@ def save_profile(checkpoint: Path, profile: RoutingProfile) -> Path:
         "version": str(PROFILE_VERSION),
         "layers": json.dumps(list(profile.layers)),
         "tokens": str(profile.tokens),
-        "k": str(profile.k),
+        "k": json.dumps(list(profile.k)),
         "source": profile.source,
         **({GENERATION_KEY: generation} if generation else {}),
     }
@@ -152,8 +170,7 @@ def save_profile(checkpoint: Path, profile: RoutingProfile) -> Path:
     path = checkpoint / PROFILE_FILE
     with atomic_path(path) as tmp, TensorWriter(tmp, [(COUNTS, "F32", counts.shape)], metadata) as writer:
         writer.write(COUNTS, counts)
-    if isinstance(config["edge0"].get("sha256"), dict):
-        config["edge0"]["sha256"][PROFILE_FILE] = writer.sha256
+    if record_sha256(config, PROFILE_FILE, writer.sha256):
         write_json_atomic(checkpoint / CONFIG_FILE, config, indent=2, sort_keys=True)
     return path
 
@@ -186,7 +203,7 @@ def load_profile(checkpoint: Path, section: Edge0Section) -> Optional[RoutingPro
         )
     try:
         layers = tuple(int(x) for x in json.loads(meta["layers"]))
-        tokens, k = int(meta["tokens"]), int(meta["k"])
+        tokens, k = int(meta["tokens"]), tuple(int(x) for x in json.loads(meta["k"]))
     except (KeyError, TypeError, ValueError) as e:
         raise fail(f"malformed metadata ({e!r})") from None
     shape = (len(section.moe_layers), section.experts.num_experts)
@@ -202,6 +219,6 @@ def load_profile(checkpoint: Path, section: Edge0Section) -> Optional[RoutingPro
         raise CheckpointError(str(e)) from None
     if not np.isfinite(counts).all() or (counts < 0).any():
         raise fail("counts must be finite and >= 0")
-    if tokens < 0 or k < 1:
-        raise fail(f"tokens must be >= 0 and k >= 1, got tokens={tokens}, k={k}")
+    if tokens < 0 or len(k) != len(layers) or not all(1 <= x <= shape[1] for x in k):
+        raise fail(f"tokens must be >= 0 and k one K in 1..{shape[1]} per MoE layer, got tokens={tokens}, k={list(k)}")
     return RoutingProfile(layers, counts, tokens, k, meta.get("source", ""))

@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten
 
 from .atomic import atomic_path, write_json_atomic
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
-from .integrity import GENERATION_KEY, check_generation
+from .integrity import GENERATION_KEY, check_generation, record_sha256
 from .tensorfile import TensorFileError, TensorWriter, dtype_code, read_header, tensors_sha256
 
 PREROUTER_FILE = "prerouter.safetensors"
@@ -169,8 +169,7 @@ def save_heads(checkpoint: Path, heads: dict[int, PrerouterHead], spec: Preroute
         for name, value in tensors.items():
             writer.write(name, value)
     config["edge0"]["prerouter"] = spec.to_dict()
-    if isinstance(config["edge0"].get("sha256"), dict):
-        config["edge0"]["sha256"][spec.file] = writer.sha256
+    record_sha256(config, spec.file, writer.sha256)
     write_json_atomic(checkpoint / CONFIG_FILE, config, indent=2, sort_keys=True)
     return path
 

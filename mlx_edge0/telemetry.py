@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
@@ -109,7 +109,9 @@ class Telemetry:
     count, per MoE layer, each expert's routings over every call the
     on-demand and whole-layer paths make, a prompt chunk's tokens each
     counted (prerouted calls are not: ``edge0 profile`` loads with the
-    prerouter off).
+    prerouter off); ``counted_layer``, when set, is called with each counted
+    call's layer (``edge0 profile``'s progress: a 1,024-token forward of a
+    large model can take an hour on a CPU).
     """
 
     total: Stats = field(default_factory=Stats)
@@ -118,6 +120,7 @@ class Telemetry:
     routing_trace: Optional[list[tuple[int, list[int]]]] = None
     read_trace: Optional[list[tuple[int, list[int]]]] = None
     routing_counts: Optional[dict[int, np.ndarray]] = None
+    counted_layer: Optional[Callable[[int], None]] = None
     opened_at: float = 0.0  # time.perf_counter() when the running step opened
 
     def begin_step(self, tokens: int) -> Optional[Stats]:
@@ -145,6 +148,8 @@ class Telemetry:
                 held, counts = counts, held
             counts[: len(held)] += held
         self.routing_counts[layer] = counts
+        if self.counted_layer is not None:
+            self.counted_layer(layer)
 
     def summed(self) -> Stats:
         return self.total + self.current

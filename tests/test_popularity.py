@@ -24,6 +24,7 @@ from mlx_edge0.popularity import (
     prior_counts,
     save_profile,
 )
+from mlx_edge0.telemetry import Telemetry
 from mlx_edge0.tensorfile import TensorWriter
 
 FAMILY = "qwen3_moe"
@@ -56,7 +57,20 @@ def test_a_prompt_chunk_and_single_tokens_count_the_same_routings(checkpoint):
     assert whole.counts.shape == (len(section.moe_layers), section.experts.num_experts)
     assert (whole.counts.sum(axis=1) == 48 * k).all()
     assert np.array_equal(whole.counts, single.counts)
-    assert whole.tokens == 48 and whole.k == k and whole.layers == section.moe_layers
+    assert whole.tokens == 48 and whole.k == (k,) * 3 and whole.layers == section.moe_layers
+
+
+def test_counting_reports_each_layer_and_a_profile_leaves_nothing_counting(checkpoint):
+    """``edge0 profile``'s bar moves by MoE layer (``counted_layer``), and a
+    profile turns counting off again when it is done."""
+    telemetry, seen = Telemetry(routing_counts={}), []
+    telemetry.counted_layer = seen.append
+    telemetry.count_routings(3, np.array([[1, 2], [2, 5]]))
+    assert seen == [3] and telemetry.routing_counts[3].tolist() == [0, 1, 2, 0, 0, 1]
+    model = mlx_edge0.load_model(checkpoint, prefill="whole-layer")
+    measure_profile(model, _tokens(10), "t", 4, False)
+    assert model.edge0_runtime.telemetry.routing_counts is None
+    assert model.edge0_runtime.telemetry.counted_layer is None
 
 
 def test_the_command_writes_a_profile_that_info_and_verify_accept(checkpoint, tmp_path):
@@ -68,7 +82,7 @@ def test_the_command_writes_a_profile_that_info_and_verify_accept(checkpoint, tm
     )
     profile = load_profile(checkpoint, _section(checkpoint))
     assert profile.tokens == 40 and profile.source == "random tokens, seed 3"
-    assert (profile.counts.sum(axis=1) == 40 * profile.k).all()
+    assert (profile.counts.sum(axis=1) == 40 * np.array(profile.k)).all()
     r = runner.invoke(main, ["info", str(checkpoint)])
     assert "routing profile 40 tokens (random tokens, seed 3), K=4: seeds the hot cache's counts" in r.output
     r = runner.invoke(main, ["info", "--verify", str(checkpoint)])
@@ -105,7 +119,7 @@ def test_a_load_seeds_the_hot_cache_with_the_profile_unless_told_not_to(checkpoi
     counts = np.zeros((len(section.moe_layers), section.experts.num_experts), np.float32)
     counts[:, 5] = 30
     counts[:, 9] = 10
-    save_profile(checkpoint, RoutingProfile(section.moe_layers, counts, 10, 4, "hand-made"))
+    save_profile(checkpoint, RoutingProfile(section.moe_layers, counts, 10, (4, 4, 4), "hand-made"))
     hot = mlx_edge0.load_model(checkpoint).edge0_runtime.hot
     k = section.num_experts_per_tok
     # 128 tokens' worth of K routings, split 3:1
@@ -117,7 +131,7 @@ def test_a_load_seeds_the_hot_cache_with_the_profile_unless_told_not_to(checkpoi
 
 def test_prior_counts_split_each_layers_weight_by_its_shares():
     counts = np.array([[3, 1, 0, 0], [0, 0, 0, 0]], np.float32)
-    profile = RoutingProfile((1, 2), counts, 2, 2, "x")
+    profile = RoutingProfile((1, 2), counts, 2, (2, 2), "x")
     assert prior_counts(profile, {1: 4, 2: 4, 7: 4}, tokens=10) == {(1, 0): 30.0, (1, 1): 10.0}
     assert prior_counts(profile, {1: 2}, experts=[1, 3], tokens=10) == {(1, 1): 5.0}
 
@@ -138,14 +152,32 @@ def test_a_prior_keeps_the_popular_expert_that_plain_lfu_evicts():
     assert policy.victims(["a", "b", "c"], 2) == ["c", "a"]
 
 
+def test_the_profile_records_each_layers_k_on_a_k_tier_checkpoint(checkpoint):
+    """With heads for K=2, the layers they predict route at 2 and the first
+    MoE layer, which no head predicts, at the checkpoint's 4: the file says
+    so per layer, and so do the command and ``edge0 info``."""
+    runner = CliRunner()
+    assert runner.invoke(main, ["heads", "init", str(checkpoint), "--k", "2"]).exit_code == 0
+    section = _section(checkpoint)
+    first = section.moe_layers[0]
+    r = runner.invoke(main, ["profile", str(checkpoint), "--random-tokens", "12"])
+    assert r.exit_code == 0, r.output
+    assert f"12 tokens (random tokens, seed 0), K=2 (4 on layer {first})" in r.output
+    profile = load_profile(checkpoint, section)
+    assert profile.k == (4, 2, 2)
+    assert (profile.counts.sum(axis=1) == 12 * np.array([4, 2, 2])).all()
+    r = runner.invoke(main, ["info", str(checkpoint)])
+    assert f"routing profile 12 tokens (random tokens, seed 0), K=2 (4 on layer {first})" in r.output
+
+
 def _write(checkpoint, counts, **metadata):
     config = read_config(checkpoint)
     meta = {
         "format": "edge0-popularity",
-        "version": "1",
+        "version": "2",
         "layers": json.dumps(list(config["edge0"]["moe_layers"])),
         "tokens": "4",
-        "k": "4",
+        "k": "[4, 4, 4]",
         "generation": config["edge0"]["generation"],
     } | metadata
     with TensorWriter(checkpoint / PROFILE_FILE, [("counts", "F32", counts.shape)], meta) as w:
@@ -162,6 +194,10 @@ def _write(checkpoint, counts, **metadata):
         (np.ones((3, 16), np.float32), {"format": "edge0-prerouter"}, "not an edge0 routing profile"),
         (np.ones((3, 16), np.float32), {"layers": "[0, 1, 2]"}, "counts are for MoE layers [0, 1, 2]"),
         (np.ones((3, 16), np.float32), {"tokens": "many"}, "malformed metadata"),
+        (np.ones((3, 16), np.float32), {"k": "4"}, "malformed metadata"),
+        (np.ones((3, 16), np.float32), {"k": "[4, 4]"}, "one K in 1..16 per MoE layer"),
+        (np.ones((3, 16), np.float32), {"k": "[4, 0, 4]"}, "one K in 1..16 per MoE layer"),
+        (np.ones((3, 16), np.float32), {"version": "1"}, "not an edge0 routing profile of version 2"),
     ],
 )
 def test_a_bad_profile_is_refused_naming_the_file(checkpoint, counts, metadata, message):
