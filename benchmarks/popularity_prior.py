@@ -8,11 +8,15 @@ The profile is either a checkpoint's ``popularity.safetensors`` (``--profile
 CHECKPOINT``, written by ``edge0 profile``) or the routing of decoded tokens
 ``A:B`` of a recorded decode (``--profile-from RESULTS.json --profile-tokens
 A:B``), which must not be the tokens replayed (``--first N`` replays a
-decode's first N tokens only). Prints a table and writes JSON:
+decode's first N tokens only). ``--preload`` also replays each decode from
+a cache that holds the profile's most popular bundles instead of what the
+decode began with (a cache filled from the profile at load, before any
+prompt), LFU at the runtime's weight and MIN from that start. Prints a table
+and writes JSON:
 
     python benchmarks/popularity_prior.py --bench RESULTS.json [--first 128]
         (--profile CHECKPOINT | --profile-from RESULTS.json --profile-tokens 512:1024)
-        [--weights 0,32,64,128,256,512] [--out FILE.json]
+        [--weights 0,32,64,128,256,512] [--preload] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ def profile_from_trace(path: Path, first: int, end: int) -> RoutingProfile:
     return RoutingProfile(tuple(trace.layers), counts, end - first, trace.k, f"{path.name} tokens {first}:{end}")
 
 
+def most_popular(prior: dict, capacity: int, permanent: frozenset) -> list:
+    """The ``capacity`` bundles (less the permanent ones) a preload from the
+    profile would hold, least popular first (the order ``simulate`` fills
+    rows in; ties by key, so the replay is deterministic)."""
+    ranked = sorted((k for k in prior if k not in permanent), key=lambda k: (-prior[k], k))
+    return ranked[: capacity - len(permanent)][::-1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", type=Path, action="append", required=True, help="an edge0 bench results JSON")
@@ -49,6 +61,7 @@ def main() -> None:
     p.add_argument("--profile-from", type=Path, help="a results JSON whose decode routing is the profile")
     p.add_argument("--profile-tokens", default="", help="A:B, the decoded tokens of --profile-from counted")
     p.add_argument("--weights", default=f"0,32,64,{PRIOR_TOKENS},256,512", help="prior weights, in tokens")
+    p.add_argument("--preload", action="store_true", help="also replay from the profile's most popular bundles")
     p.add_argument("--out", type=Path, help="write the results here (JSON)")
     a = p.parse_args()
     if (a.profile is None) == (a.profile_from is None):
@@ -77,6 +90,17 @@ def main() -> None:
                 ).hit_rate
                 for w in weights
             }
+            preload = None
+            if a.preload:
+                prior = prior_counts(profile, k_of)
+                start = {
+                    "permanent": decode.permanent,
+                    "resident": most_popular(prior, decode.capacity, decode.permanent),
+                }
+                preload = {
+                    "lfu": simulate(trace, decode.capacity, "lfu", prior=prior, **start).hit_rate,
+                    "min": simulate(trace, decode.capacity, "min", **start).hit_rate,
+                }
             rows.append(
                 {
                     "trace": f"{path.name}: {run['arm']} round {run['round']}",
@@ -87,12 +111,18 @@ def main() -> None:
                     "min": best,
                     "lfu_with_prior": {str(w): r for w, r in lfu.items()},
                     "runtime_hit_rate": decode.runtime_hit_rate if not a.first else None,
+                    "from_preload": preload,
                 }
             )
             cells = " | ".join(f"{lfu[w]:.3f} ({100 * (best - lfu[w]):.1f})" for w in weights)
+            if preload:
+                gap = 100 * (preload["min"] - preload["lfu"])
+                cells += f" | {preload['lfu']:.3f} ({gap:.1f}) | {preload['min']:.3f}"
             print(f"| {rows[-1]['trace']} | {len(trace.tokens)} | {cells} | {best:.3f} |")
+    preloaded = f"; from a preload: LFU at {PRIOR_TOKENS} (gap), MIN" if a.preload else ""
     print(
-        f"(columns: LFU told of the profile at {', '.join(map(str, weights))} tokens' worth (gap to MIN, points); MIN)"
+        f"(columns: LFU told of the profile at {', '.join(map(str, weights))} tokens' worth (gap to MIN, points)"
+        f"{preloaded}; MIN from the decode's start)"
     )
     if a.out:
         a.out.write_text(json.dumps({"weights": weights, "rows": rows}, indent=2) + "\n")
