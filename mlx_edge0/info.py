@@ -106,7 +106,12 @@ def describe(path: Path | str) -> dict[str, Any]:
         "adapters": adapters,
         "routing_profile": None
         if profile is None
-        else {"tokens": profile.tokens, "layers": list(profile.layers), "k": list(profile.k), "source": profile.source},
+        else {
+            "tokens": profile.tokens,
+            "layers": list(profile.layers),
+            "k": None if profile.k is None else list(profile.k),
+            "source": profile.source,
+        },
     }
 
 

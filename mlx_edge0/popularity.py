@@ -2,9 +2,8 @@
 hot cache starts knowing which experts are popular instead of learning it.
 
 LFU learns popularity from the uses it has seen, and a short decode ends
-before it has seen many: on the calibrated 35B a 2 GiB cache's LFU was 15
-points of hit rate behind Belady's MIN over 96 tokens, 11 over 1,024
-(BENCHMARKS.md, "A routing profile before the decode"). ``edge0 profile``
+before it has seen many, and falls well behind Belady's MIN over a short
+decode (BENCHMARKS.md, "A routing profile before the decode"). ``edge0 profile``
 runs the model over text the user chooses (or seeded random tokens, for a
 synthetic checkpoint) and writes each MoE layer's routing counts to
 ``popularity.safetensors``; a load seeds the hot cache's policy with them
@@ -14,7 +13,8 @@ what the decode itself routes soon counts as much.
 File: tensor ``counts`` (float32, ``[MoE layers, E]``, routings counted);
 metadata: format, version, the MoE layers, tokens counted, each layer's K
 (a layer the prerouter heads predict routes at their K, the others at the
-checkpoint's), the source of the text, the checkpoint's generation. Saving records its SHA-256 in
+checkpoint's; a version 1 file kept one K for all and still loads), the
+source of the text, the checkpoint's generation. Saving records its SHA-256 in
 ``edge0.sha256`` (so ``edge0 info --verify`` covers it). Loading validates
 all of it and names the file on any mismatch.
 """
@@ -37,7 +37,7 @@ from .tensorfile import TensorFileError, TensorWriter, read_header, row_reader
 
 PROFILE_FILE = "popularity.safetensors"
 PROFILE_FORMAT = "edge0-popularity"
-PROFILE_VERSION = 2  # 2: K per MoE layer
+PROFILE_VERSION = 2  # 2: K per MoE layer; 1 (one K for all) is still read
 COUNTS = "counts"
 # The prior weighs as much as this many tokens' routings. Lighter, LFU learns
 # little from it; heavier, it keeps the profile's favourites over what the
@@ -57,14 +57,15 @@ class RoutingProfile:
         layers: the MoE layers, one row of ``counts`` each.
         counts: ``[len(layers), E]`` float32, routings of each expert.
         tokens: tokens the counts were made from.
-        k: experts a token was routed to on each MoE layer, one per row.
+        k: experts a token was routed to on each MoE layer, one per row
+            (None from a version 1 file, which recorded one K for all layers).
         source: what text was run (a file name, or random tokens and their seed).
     """
 
     layers: tuple[int, ...]
     counts: np.ndarray
     tokens: int
-    k: tuple[int, ...]
+    k: Optional[tuple[int, ...]]
     source: str
 
     def shares(self) -> np.ndarray:
@@ -91,8 +92,10 @@ def profile_of(
     return RoutingProfile(tuple(layers), counts, tokens, tuple(k_of[layer] for layer in layers), source)
 
 
-def describe_k(layers: Sequence[int], k: Sequence[int]) -> str:
+def describe_k(layers: Sequence[int], k: Optional[Sequence[int]]) -> str:
     """``K=4``, or ``K=4 (8 on layer 0)`` where some MoE layers routed at another K."""
+    if k is None:
+        return "K of each layer not recorded (a version 1 file)"
     k = list(k)
     common = max(set(k), key=k.count)
     others = ", ".join(f"{x} on layer {layer}" for layer, x in zip(layers, k) if x != common)
@@ -196,14 +199,17 @@ def load_profile(checkpoint: Path, section: Edge0Section) -> Optional[RoutingPro
     except TensorFileError as e:
         raise CheckpointError(str(e)) from None
     meta = header.metadata
-    if meta.get("format") != PROFILE_FORMAT or meta.get("version") != str(PROFILE_VERSION):
+    version = meta.get("version")
+    if meta.get("format") != PROFILE_FORMAT or version not in ("1", str(PROFILE_VERSION)):
         raise fail(
-            f"not an edge0 routing profile of version {PROFILE_VERSION} "
-            f"(format {meta.get('format')!r}, version {meta.get('version')!r})"
+            f"not an edge0 routing profile of version 1 to {PROFILE_VERSION} "
+            f"(format {meta.get('format')!r}, version {version!r})"
         )
     try:
         layers = tuple(int(x) for x in json.loads(meta["layers"]))
-        tokens, k = int(meta["tokens"]), tuple(int(x) for x in json.loads(meta["k"]))
+        tokens = int(meta["tokens"])
+        # Version 1 kept one K (the largest); its counts are the same, so it still seeds the cache.
+        k = (int(meta["k"]),) * len(layers) if version == "1" else tuple(int(x) for x in json.loads(meta["k"]))
     except (KeyError, TypeError, ValueError) as e:
         raise fail(f"malformed metadata ({e!r})") from None
     shape = (len(section.moe_layers), section.experts.num_experts)
@@ -221,4 +227,4 @@ def load_profile(checkpoint: Path, section: Edge0Section) -> Optional[RoutingPro
         raise fail("counts must be finite and >= 0")
     if tokens < 0 or len(k) != len(layers) or not all(1 <= x <= shape[1] for x in k):
         raise fail(f"tokens must be >= 0 and k one K in 1..{shape[1]} per MoE layer, got tokens={tokens}, k={list(k)}")
-    return RoutingProfile(layers, counts, tokens, k, meta.get("source", ""))
+    return RoutingProfile(layers, counts, tokens, None if version == "1" else k, meta.get("source", ""))

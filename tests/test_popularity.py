@@ -129,6 +129,25 @@ def test_a_load_seeds_the_hot_cache_with_the_profile_unless_told_not_to(checkpoi
     assert mlx_edge0.load_model(checkpoint, popularity_prior=False).edge0_runtime.hot.policy.count == {}
 
 
+def test_a_version_1_profile_still_seeds_the_cache_and_says_its_k_is_not_recorded(checkpoint):
+    """A profile made before the file kept each layer's K has the same counts:
+    it loads, seeds the cache as a version 2 file does, and ``edge0 info``
+    says what it lacks rather than printing the one K it kept."""
+    counts = np.zeros((3, 16), np.float32)
+    counts[:, 5] = 30
+    counts[:, 9] = 10
+    _write(checkpoint, counts, version="1", k="4", source="v1")
+    profile = load_profile(checkpoint, _section(checkpoint))
+    assert profile.k is None and profile.tokens == 4 and np.array_equal(profile.counts, counts)
+    seeded = mlx_edge0.load_model(checkpoint).edge0_runtime.hot.policy.count
+    _write(checkpoint, counts)
+    assert seeded == mlx_edge0.load_model(checkpoint).edge0_runtime.hot.policy.count
+    assert seeded[(_section(checkpoint).moe_layers[0], 5)] == 96.0 * 4
+    _write(checkpoint, counts, version="1", k="4", source="v1")
+    r = CliRunner().invoke(main, ["info", str(checkpoint)])
+    assert "routing profile 4 tokens (v1), K of each layer not recorded (a version 1 file)" in r.output, r.output
+
+
 def test_prior_counts_split_each_layers_weight_by_its_shares():
     counts = np.array([[3, 1, 0, 0], [0, 0, 0, 0]], np.float32)
     profile = RoutingProfile((1, 2), counts, 2, (2, 2), "x")
@@ -197,7 +216,9 @@ def _write(checkpoint, counts, **metadata):
         (np.ones((3, 16), np.float32), {"k": "4"}, "malformed metadata"),
         (np.ones((3, 16), np.float32), {"k": "[4, 4]"}, "one K in 1..16 per MoE layer"),
         (np.ones((3, 16), np.float32), {"k": "[4, 0, 4]"}, "one K in 1..16 per MoE layer"),
-        (np.ones((3, 16), np.float32), {"version": "1"}, "not an edge0 routing profile of version 2"),
+        (np.ones((3, 16), np.float32), {"version": "3"}, "not an edge0 routing profile of version 1 to 2"),
+        (np.ones((3, 16), np.float32), {"version": "1", "k": "[4, 4, 4]"}, "malformed metadata"),
+        (np.ones((3, 16), np.float32), {"version": "1", "k": "17"}, "one K in 1..16 per MoE layer"),
     ],
 )
 def test_a_bad_profile_is_refused_naming_the_file(checkpoint, counts, metadata, message):
