@@ -33,6 +33,12 @@ from mlx_edge0.checkpoint import Edge0Section, read_config
 from mlx_edge0.popularity import PRIOR_TOKENS, RoutingProfile, load_profile, prior_counts
 
 
+def routed_k(trace) -> tuple[int, ...]:
+    """Each MoE layer's K as the trace routed it (a K-tier decode routes its
+    first MoE layer, which no head predicts, at the checkpoint's K)."""
+    return tuple(max(len(token[row]) for token in trace.tokens) for row in range(len(trace.layers)))
+
+
 def profile_from_trace(path: Path, first: int, end: int) -> RoutingProfile:
     """The routing counts of decoded tokens ``[first, end)`` of the first recorded run of ``path``."""
     trace = recorded_decodes(path)[0][1].trace
@@ -42,7 +48,8 @@ def profile_from_trace(path: Path, first: int, end: int) -> RoutingProfile:
     for token in trace.tokens[first:end]:
         for row, ids in enumerate(token):
             counts[row, list(ids)] += 1
-    return RoutingProfile(tuple(trace.layers), counts, end - first, trace.k, f"{path.name} tokens {first}:{end}")
+    source = f"{path.name} tokens {first}:{end}"
+    return RoutingProfile(tuple(trace.layers), counts, end - first, routed_k(trace), source)
 
 
 def most_popular(prior: dict, capacity: int, permanent: frozenset) -> list:
@@ -82,7 +89,7 @@ def main() -> None:
             if a.first:
                 trace = dataclasses.replace(trace, tokens=trace.tokens[: a.first])
             start = {"permanent": decode.permanent, "resident": decode.resident}
-            k_of = {layer: trace.k for layer in trace.layers}
+            k_of = dict(zip(trace.layers, routed_k(trace)))
             best = simulate(trace, decode.capacity, "min", **start).hit_rate
             lfu = {
                 w: simulate(
