@@ -36,7 +36,7 @@ from mlx_edge0.popularity import PRIOR_TOKENS, RoutingProfile, load_profile, pri
 def routed_k(trace) -> tuple[int, ...]:
     """Each MoE layer's K as the trace routed it (a K-tier decode routes its
     first MoE layer, which no head predicts, at the checkpoint's K)."""
-    return tuple(max(len(token[row]) for token in trace.tokens) for row in range(len(trace.layers)))
+    return tuple(max(map(len, trace.layer_sets(i))) for i in range(len(trace.layers)))
 
 
 def profile_from_trace(path: Path, first: int, end: int) -> RoutingProfile:
