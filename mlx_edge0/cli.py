@@ -204,7 +204,7 @@ def generate(
 @click.option(
     "--verify",
     is_flag=True,
-    help="Also re-hash every file against the checksums convert recorded and check every "
+    help="Also re-hash every file against the checksums config.json records and check every "
     "float tensor for NaN/inf (reads the whole checkpoint); exit status 1 on any problem.",
 )
 def info(checkpoint: Path, as_json: bool, verify: bool) -> None:

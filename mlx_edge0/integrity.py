@@ -9,8 +9,8 @@ Invariants:
   A mismatch means files of two conversions are mixed and is refused,
   naming the file. Checkpoints without one (made before generations
   existed) are not checked.
-- ``edge0.sha256`` maps every file convert wrote (and the heads and
-  routing profile files saved later: :func:`record_sha256`) to its SHA-256,
+- ``edge0.sha256`` maps every file convert wrote (and the heads, routing
+  profile and adapter files saved into it later: :func:`record_sha256`) to its SHA-256,
   so :func:`verify` finds files changed in place (tampering, bit rot) as
   well as non-finite scales.
 - :func:`load_consistently` makes a load see one conversion: it notes
@@ -193,7 +193,7 @@ class VerifyReport:
 
 
 def verify(path: Path | str, progress: Optional[Callable[[int, int, str], None]] = None) -> VerifyReport:
-    """Re-hash every file whose checksum convert recorded, check every float
+    """Re-hash every file whose checksum config.json records, check every float
     tensor of the expert, resident and heads files for NaN/inf, and every
     header's generation; one file at a time (``progress(done, total, file)``
     before each), so memory stays flat on big checkpoints.
@@ -220,7 +220,9 @@ def verify(path: Path | str, progress: Optional[Callable[[int, int, str], None]]
         try:
             if name in recorded and sha256_file(file) != recorded[name]:
                 problems.append(
-                    Problem(name, "sha256 does not match the one convert recorded (changed in place, or bit rot)")
+                    Problem(
+                        name, "sha256 does not match the one recorded in config.json (changed in place, or bit rot)"
+                    )
                 )
             if name.endswith(".safetensors"):
                 found, n = _scan_tensors(file, section.generation, required=name in tensor_files)

@@ -35,9 +35,9 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
-from .atomic import atomic_path
+from .atomic import atomic_path, write_json_atomic
 from .checkpoint import CONFIG_FILE, RESIDENT_FILE, CheckpointError, read_config
-from .integrity import GENERATION_KEY, check_generation
+from .integrity import GENERATION_KEY, check_generation, record_sha256, sha256_file
 from .tensorfile import TensorFileError, TensorHeader, read_header, tensors_sha256
 
 ADAPTERS_FILE = "adapters.safetensors"
@@ -177,7 +177,9 @@ def targets_hash(checkpoint: Path, targets: tuple[str, ...]) -> str:
 def save_adapters(out_dir: Path, model: nn.Module, checkpoint: Path, k: int) -> Path:
     """Write the model's adapters (every ``LoRALinear``) and their config into
     ``out_dir``, each file atomically; ``checkpoint`` is the edge0 checkpoint
-    they belong to (for the source hash and its generation)."""
+    they belong to (for the source hash and its generation). Saved into the
+    checkpoint itself, both files' SHA-256 go into its config.json, so
+    ``edge0 info --verify`` covers them as it covers the heads."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     modules = lora_modules(model)
@@ -197,6 +199,13 @@ def save_adapters(out_dir: Path, model: nn.Module, checkpoint: Path, k: int) -> 
     with atomic_path(out_dir / ADAPTER_CONFIG_FILE) as tmp_config, atomic_path(out_dir / ADAPTERS_FILE) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata=metadata)
         tmp_config.write_text(json.dumps(config.to_dict(len(model.layers)), indent=2) + "\n")
+    if out_dir.resolve() == Path(checkpoint).resolve():
+        checkpoint_config = read_config(checkpoint)
+        recorded = [
+            record_sha256(checkpoint_config, f, sha256_file(out_dir / f)) for f in (ADAPTERS_FILE, ADAPTER_CONFIG_FILE)
+        ]
+        if all(recorded):
+            write_json_atomic(out_dir / CONFIG_FILE, checkpoint_config, indent=2, sort_keys=True)
     return out_dir / ADAPTERS_FILE
 
 

@@ -4,6 +4,7 @@ finds tampering and bit rot, and loads never mix two conversions."""
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ from mlx_edge0 import default_model, tiny
 from mlx_edge0.checkpoint import CheckpointError, expert_file, read_config
 from mlx_edge0.cli import main
 from mlx_edge0.conversions import ConvertOptions, convert
+from mlx_edge0.integrity import sha256_file
 from mlx_edge0.tensorfile import TensorFileError, read_header
 
 QUIET = ConvertOptions(show_progress=False)
@@ -170,7 +172,8 @@ def test_verify_of_the_default_model():
     r = _cli("info", "--verify", str(default_model.default_checkpoint()))
     assert r.exit_code == 0, r.output
     assert "no checksums recorded" not in r.output
-    assert "verify          ok: 13 files match their recorded sha256" in r.output, r.output
+    assert "verify          ok: 15 files match their recorded sha256" in r.output, r.output
+    assert "not covered     generation_config.json (written after convert; no checksum)" in r.output
     assert "generations agree" in r.output
 
 
@@ -287,25 +290,49 @@ def test_loads_never_mix_two_conversions_while_convert_force_replaces_out(tmp_pa
     assert not failed, f"{len(failed)} loads failed: {failed[:3]}"
 
 
-def test_adapters_carry_the_generation_and_verify_says_they_are_not_covered(ckpt, converted, tmp_path):
+def test_adapters_carry_the_generation_and_their_checksums(ckpt, converted, tmp_path):
+    """Adapters saved into the checkpoint are verified like the heads; saved
+    elsewhere they leave its config.json alone; copied in, they are named as
+    not covered."""
     from mlx_edge0 import lora
 
     model = mlx_edge0.load_model(ckpt, cache_gib=0)
     lora.attach(model, tuple(lora.lora_targets(model)))
+    outside = tmp_path / "run"
+    before = (ckpt / "config.json").read_bytes()
+    lora.save_adapters(outside, model, ckpt, lora.consumer_k(model))
+    assert (ckpt / "config.json").read_bytes() == before
     lora.save_adapters(ckpt, model, ckpt, lora.consumer_k(model))
-    generation = read_config(ckpt)["edge0"]["generation"]
-    assert read_header(ckpt / lora.ADAPTERS_FILE).metadata["generation"] == generation
+    config = read_config(ckpt)
+    assert read_header(ckpt / lora.ADAPTERS_FILE).metadata["generation"] == config["edge0"]["generation"]
+    for name in (lora.ADAPTERS_FILE, lora.ADAPTER_CONFIG_FILE):
+        assert config["edge0"]["sha256"][name] == sha256_file(ckpt / name)
+        assert filecmp.cmp(ckpt / name, outside / name, shallow=False)
     r = _cli("info", "--verify", str(ckpt))
+    assert r.exit_code == 0, r.output
+    assert "not covered" not in r.output
+
+    with open(ckpt / lora.ADAPTER_CONFIG_FILE, "a") as f:  # still valid JSON, other bytes
+        f.write(" ")
+    r = _cli("info", "--verify", str(ckpt))
+    assert r.exit_code == 1, r.output
+    assert "adapter_config.json: sha256 does not match the one recorded in config.json" in r.output
+
+    copied_in = tmp_path / "copied-in"  # the same conversion, adapters copied in by hand
+    shutil.copytree(converted("qwen3_moe").edge0, copied_in)
+    for name in (lora.ADAPTERS_FILE, lora.ADAPTER_CONFIG_FILE):
+        shutil.copy(outside / name, copied_in / name)
+    r = _cli("info", "--verify", str(copied_in))
     assert r.exit_code == 0, r.output
     assert "not covered     adapter_config.json, adapters.safetensors" in r.output
 
     other = tmp_path / "other"
     convert(converted("qwen3_moe").source, other, QUIET)  # same weights, another generation
     for name in (lora.ADAPTERS_FILE, lora.ADAPTER_CONFIG_FILE):
-        shutil.copy(ckpt / name, other / name)
+        shutil.copy(outside / name, other / name)
     with pytest.raises(CheckpointError, match=r"adapters\.safetensors: generation"):
         mlx_edge0.load_model(other, cache_gib=0)
-    lora.read_adapters(other, ckpt)  # kept outside the checkpoint, they may outlive a re-convert
+    lora.read_adapters(other, outside)  # kept outside the checkpoint, they may outlive a re-convert
 
 
 def test_a_checkpoint_replaced_during_every_load_fails_clearly(ckpt):
