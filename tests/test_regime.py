@@ -187,6 +187,24 @@ def test_small_mac_preset_scales_with_the_checkpoint(converted, tmp_path):
     assert result.exit_code == 1 and "too small for Python and MLX to start in" in result.output
 
 
+def test_a_preset_scales_with_the_model_weights_not_the_heads_or_adapters(converted, tmp_path):
+    import shutil
+
+    from mlx_edge0.bench.regime import checkpoint_bytes
+
+    conv = converted("qwen3_moe")
+    edge0 = tmp_path / "edge0"
+    shutil.copytree(conv.edge0, edge0)
+    weights = sum(f.stat().st_size for f in (edge0 / "experts").glob("*.safetensors"))
+    weights += (edge0 / "model.safetensors").stat().st_size
+    assert checkpoint_bytes(edge0) == weights
+    (edge0 / "prerouter.safetensors").write_bytes(b"h" * 100_000)
+    (edge0 / "adapters.safetensors").write_bytes(b"a" * 50_000)
+    assert checkpoint_bytes(edge0) == weights
+    stock = sum(f.stat().st_size for f in Path(conv.source).glob("*.safetensors"))
+    assert checkpoint_bytes(conv.source) == stock
+
+
 def test_a_stopped_bench_kills_its_arm_and_removes_the_cgroups(converted, tmp_path):
     """SIGTERM to ``edge0 bench run`` (a user's ``kill``, a job's timeout)
     mid-arm ends the arm's process and removes the cgroups made for it, as

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, expert_file, read_config
 from ..memory import cgroup_groups
 
 GIB = 1 << 30
@@ -113,8 +114,22 @@ PRESETS = {
 
 
 def checkpoint_bytes(root: Path) -> int:
-    """Bytes of a checkpoint's weight files (what a preset scales with)."""
-    return sum(p.stat().st_size for p in Path(root).rglob("*.safetensors") if p.is_file())
+    """Bytes of a checkpoint's model weights, what a preset scales with.
+
+    One model gets one cap whether the bench is given its stock or its edge0
+    form: an edge0 checkpoint counts its expert and resident files, not the
+    prerouter heads or recovery adapters (files stock has no counterpart of).
+
+    Raises:
+        CheckpointError: an edge0 checkpoint's config.json is unreadable or malformed.
+    """
+    root = Path(root)
+    config = read_config(root) if (root / CONFIG_FILE).is_file() else {}
+    if "edge0" in config:
+        section = Edge0Section.from_config(config, root / CONFIG_FILE)
+        files = [root / expert_file(layer) for layer in section.moe_layers] + [root / RESIDENT_FILE]
+        return sum(f.stat().st_size for f in files if f.is_file())
+    return sum(p.stat().st_size for p in root.rglob("*.safetensors") if p.is_file())
 
 
 @dataclass(frozen=True)
