@@ -138,13 +138,18 @@ class Edge0Section:
             return int(self.prerouter.get("k", self.num_experts_per_tok))
         return self.num_experts_per_tok
 
+    @property
+    def expert_files(self) -> tuple[str, ...]:
+        """The expert files' paths relative to the checkpoint, in layer order."""
+        return tuple(expert_file(layer) for layer in self.moe_layers)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for optional in ("prerouter", "generation", "sha256"):
             if d[optional] is None:
                 del d[optional]
         d["moe_layers"] = list(self.moe_layers)
-        d["expert_files"] = [expert_file(layer) for layer in self.moe_layers]
+        d["expert_files"] = list(self.expert_files)
         return d
 
     @classmethod

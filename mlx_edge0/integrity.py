@@ -35,7 +35,6 @@ from .checkpoint import (
     RESIDENT_FILE,
     CheckpointError,
     Edge0Section,
-    expert_file,
     read_config,
 )
 from .tensorfile import TensorEntry, TensorFileError, read_header
@@ -204,7 +203,7 @@ def verify(path: Path | str, progress: Optional[Callable[[int, int, str], None]]
     path = Path(path)
     section = Edge0Section.from_config(read_config(path), path / CONFIG_FILE)
     recorded = section.sha256 or {}
-    tensor_files = [expert_file(layer) for layer in section.moe_layers] + [RESIDENT_FILE]
+    tensor_files = [*section.expert_files, RESIDENT_FILE]
     heads = (section.prerouter or {}).get("file")
     optional = [f for f in (heads, "adapters.safetensors") if f and (path / f).is_file()]
     names = list(dict.fromkeys(tensor_files + optional + sorted(recorded)))

@@ -54,7 +54,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import gather_last_axis
 
-from .checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, expert_file
+from .checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section
 from .options import PARALLEL_MODES
 from .tensorfile import RowReader, read_header
 
@@ -260,7 +260,7 @@ def checkpoint_digest(directory: Path, section: Edge0Section) -> bytes:
     the resident and expert files (which name the tensors, their layout and
     the generation of checkpoints that predate those)."""
     digest = hashlib.sha256((directory / CONFIG_FILE).read_bytes())
-    for name in [RESIDENT_FILE, *(expert_file(layer) for layer in section.moe_layers)]:
+    for name in [RESIDENT_FILE, *section.expert_files]:
         header = read_header(directory / name)
         digest.update(name.encode())
         digest.update(repr(sorted((k, v.dtype, v.shape, v.start, v.end) for k, v in header.entries.items())).encode())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, expert_file, read_config
+from ..checkpoint import CONFIG_FILE, RESIDENT_FILE, Edge0Section, read_config
 from ..memory import cgroup_groups
 
 GIB = 1 << 30
@@ -127,7 +127,7 @@ def checkpoint_bytes(root: Path) -> int:
     config = read_config(root) if (root / CONFIG_FILE).is_file() else {}
     if "edge0" in config:
         section = Edge0Section.from_config(config, root / CONFIG_FILE)
-        files = [root / expert_file(layer) for layer in section.moe_layers] + [root / RESIDENT_FILE]
+        files = [root / name for name in (*section.expert_files, RESIDENT_FILE)]
         return sum(f.stat().st_size for f in files if f.is_file())
     return sum(p.stat().st_size for p in root.rglob("*.safetensors") if p.is_file())
 
