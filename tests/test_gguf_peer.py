@@ -191,6 +191,7 @@ class Peer:
     path: Path  # its GGUF
     report: GGUFReport
     bounds: Bounds
+    progress: list[tuple[int, int]]  # the writer's (layers written, layers) calls
 
 
 def _needs_llama_cpp():
@@ -210,8 +211,9 @@ def peer(request, tmp_path_factory, tokenizer_dir) -> Peer:
     model.update(tree_map_with_path(_spread_kda_decay, model.parameters()))
     mx.eval(model.parameters())
     src = tiny.save_mlx(model, config, root / "stock", tokenizer_dir, bits=4)
-    report = write_gguf(src, root / "stock.gguf")
-    return Peer(model_type, src, root / "stock.gguf", report, BOUNDS[model_type])
+    progress = []
+    report = write_gguf(src, root / "stock.gguf", progress=lambda *p: progress.append(p))
+    return Peer(model_type, src, root / "stock.gguf", report, BOUNDS[model_type], progress)
 
 
 def _spread_kda_decay(path: str, v: mx.array) -> mx.array:
@@ -253,6 +255,20 @@ def test_gguf_layout(peer):
     weights = len(moe_layers) * tiny.EXPERTS * 3 * tiny.HIDDEN * tiny.MOE_INTERMEDIATE
     assert peer.report.expert_bytes * 8 / weights == 4.5
     assert 0 < peer.report.expert_rel_error < 0.05  # measured 0.030 (all three)
+    # Progress counts each MoE layer once, as its experts are written, out of all layers.
+    assert peer.progress == [(layer + 1, tiny.LAYERS) for layer in moe_layers]
+
+
+def test_gguf_command_writes_the_file_and_says_what_it_wrote(peer, tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_edge0.bench.commands import bench
+
+    out = tmp_path / "cli.gguf"
+    result = CliRunner().invoke(bench, ["gguf", str(peer.src), str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"Wrote {out} ({peer.bounds.arch})" in result.output
+    assert out.stat().st_size == peer.path.stat().st_size
 
 
 def _field(reader, key: str):

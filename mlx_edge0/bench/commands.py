@@ -11,6 +11,7 @@ import click
 
 from ..checkpoint import human_bytes
 from ..interrupts import terminate_as_interrupt
+from ..progress import bar
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
 from .gguf_peer import RESIDENT_TYPES
 from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path, with_budget
@@ -136,10 +137,20 @@ def gguf(stock: Path, out: Optional[Path], resident_type: str):
     from .gguf_peer import GGUFConversionError, write_gguf
 
     out = out or peer_gguf_path(stock)
+    layers = None
+
+    def progress(written: int, total: int) -> None:
+        nonlocal layers
+        layers = layers or bar(total, "gguf", unit="layer")
+        layers.update(written - layers.n)
+
     try:
-        report = write_gguf(stock, out, resident_type=resident_type, progress=click.echo)
+        report = write_gguf(stock, out, resident_type=resident_type, progress=progress)
     except GGUFConversionError as e:
         raise click.ClickException(str(e)) from None
+    finally:
+        if layers is not None:
+            layers.close()
     click.echo(
         f"Wrote {out} ({report.arch}): {report.file_bytes / 1e9:.2f} GB "
         f"({report.expert_bytes / 1e9:.2f} GB Q4_0 experts), "

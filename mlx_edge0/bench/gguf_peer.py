@@ -306,7 +306,7 @@ def write_gguf(
     out: Path | str,
     *,
     resident_type: str = "f16",
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> GGUFReport:
     """Write the mlx-lm checkpoint ``src`` (a model type above) as a GGUF file ``out``.
 
@@ -318,7 +318,8 @@ def write_gguf(
             linear-attention, shared-expert, embedding and LM-head matrices, or
             ``q4_0`` to requantize them (the int4 checkpoint's size); routers,
             gates, the convolution and norms are always F32.
-        progress: called with a line per layer.
+        progress: called as ``progress(layers_written, layers)`` after each
+            layer's experts, the bulk of the file.
 
     Returns:
         A :class:`GGUFReport`, including the Q4_0 requantization error.
@@ -357,7 +358,7 @@ def write_gguf(
             writer.write_tensor_data(_tensor_data(weights, t, meter))
             weights.release(t.source)
             if progress and t.name.endswith("ffn_down_exps.weight"):
-                progress(f"[gguf] layer {int(t.name.split('.')[1]) + 1}/{text['num_hidden_layers']}")
+                progress(int(t.name.split(".")[1]) + 1, text["num_hidden_layers"])
         writer.close()
     return GGUFReport(
         path=str(out),
