@@ -372,7 +372,9 @@ def measure(spec: RunSpec) -> dict:
         record["resident_bytes"], record["staged_window"] = final["resident_bytes"], final["staged_window"]
         record["decode_counters"] = decode_counters
         record["decode_step_counters"] = per_step
-        record["counters_per_token"] = {k: v / spec.decode_tokens for k, v in decode_counters.items()}
+        # step_ms sums closed steps only (the last one is still open), so per token it reads one
+        # step short; a token's wall time is decode_s_per_token
+        record["counters_per_token"] = {k: v / spec.decode_tokens for k, v in decode_counters.items() if k != "step_ms"}
     if spec.warm_prefill:
         cache = y = None  # the first request's state is released, as a finished request's is
         mx.reset_peak_memory()
