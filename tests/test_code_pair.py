@@ -1,0 +1,46 @@
+"""benchmarks/code_pair.py summarizes a pair's kept runs with the wall step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "code_pair.py"
+
+
+@pytest.fixture(scope="module")
+def code_pair():
+    spec = importlib.util.spec_from_file_location("code_pair", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(out: Path, tree: str, r: int, tok_s: float, wait_ms: float) -> None:
+    run = {
+        "decode_tok_s": tok_s,
+        "decode_s_per_token": 1 / tok_s,
+        "ttft_s": 2.0,
+        "device_bytes_per_token": 5e6,
+        # the runtime's own step counter, short of the wall step: the table must not use it
+        "decode_counters": {"step_ms": 0.5e3 / tok_s},
+        "counters_per_token": {"exposed_wait_ms": wait_ms, "expert_loads": 4},
+    }
+    (out / f"{tree}-r{r}.json").write_text(json.dumps({"runs": [run]}))
+
+
+def test_step_is_the_wall_time_per_token_and_the_wait_its_share(tmp_path, code_pair):
+    for r, (old, new) in enumerate([(0.5, 0.8), (0.4, 0.5), (0.5, 0.4)], start=1):
+        _write(tmp_path, "old", r, old, wait_ms=100.0)
+        _write(tmp_path, "new", r, new, wait_ms=50.0)
+    table = code_pair.summarize(tmp_path, rounds=3)
+    assert table["old"]["step_ms"] == {"median": 2000.0, "min": 2000.0, "max": 2500.0}
+    assert table["new"]["step_ms"]["median"] == 2000.0
+    assert table["old"]["wait_share"] == pytest.approx({"median": 0.05, "min": 0.04, "max": 0.05})
+    assert table["new"]["wait_share"]["max"] == pytest.approx(0.04)
+    assert table["ratio"]["per_round"] == pytest.approx([1.6, 1.25, 0.8])
+    assert table["ratio"]["median"] == pytest.approx(1.25)
+    assert table["old"]["hot_hit_rate"] is None  # no hot counters in these runs
