@@ -10,6 +10,10 @@ bench's child process imports it), and prints the medians side by side:
         --edge0 $DATA/q35cal-edge0 --arms edge0-hot+bypass/k4 --memory-cap 12 --read-mbps 144 \\
         --cache cold --prompt-tokens 64 --decode-tokens 16
 
+A tree's ``model_patches/`` and ``conversions/``, which the install maps into
+the package, are linked into ``TREE/mlx_edge0/`` the same way before the first
+run (:func:`map_packages`).
+
 Each run's results are ``DIR/{old,new}-r{N}.json``; the table is also
 ``DIR/summary.json``. Runs already in DIR are kept (a stopped pair resumes;
 one with every run there prints its table again); the bench options are
@@ -48,10 +52,7 @@ COLUMNS = {  # name -> (heading, value of one run record)
     "exposed_wait_ms": ("exposed wait ms/step", lambda r: r["counters_per_token"]["exposed_wait_ms"]),
     # the bench's own step (the wall time per decoded token), not the runtime's step counter
     "step_ms": ("step ms", lambda r: run_metrics(r)["step_ms"]),
-    "wait_share": (
-        "exposed wait, share of the step",
-        lambda r: (m := run_metrics(r))["exposed_wait_ms_per_step"] / m["step_ms"],
-    ),
+    "wait_share": ("exposed wait, share of the step", lambda r: run_metrics(r)["wait_share"]),
     "hot_overlapped": ("overlapped hot calls/token", lambda r: r["counters_per_token"]["hot_overlapped"]),
     "distinct_experts": ("experts/layer touched", lambda r: r["locality"]["mean_distinct"]),
     "reuse": ("token-to-token reuse", lambda r: r["locality"]["mean_reuse"]),
@@ -130,6 +131,24 @@ def same_options(out: Path, bench_args: list[str]) -> None:
             )
 
 
+# Top-level folders the install maps into the package (pyproject's package-dir):
+# a bare source tree on PYTHONPATH has them only beside it.
+MAPPED_PACKAGES = ("model_patches", "conversions")
+
+
+def map_packages(tree: Path) -> list[Path]:
+    """Link ``TREE/mlx_edge0/NAME`` to ``TREE/NAME`` for each mapped package the
+    tree has beside the package and not in it, as its install would map them
+    (a worktree or ``git archive`` has them only at the top). Returns the links made."""
+    made = []
+    for name in MAPPED_PACKAGES:
+        link, target = tree / "mlx_edge0" / name, tree / name
+        if target.is_dir() and not link.exists() and not link.is_symlink():
+            link.symlink_to(Path("..") / name, target_is_directory=True)
+            made.append(link)
+    return made
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", type=Path, required=True, help="Source tree of the code before.")
@@ -143,6 +162,8 @@ def main() -> None:
     for tree in (a.old, a.new):
         if not (tree / "mlx_edge0" / "__init__.py").is_file():
             raise SystemExit(f"{tree} is not a source tree of mlx-edge0 (no mlx_edge0/__init__.py)")
+        for link in map_packages(tree):
+            print(f"linked {link} -> {link.readlink()} (the install's package-dir mapping)")
     a.out.mkdir(parents=True, exist_ok=True)
     same_options(a.out, bench_args)
     (a.out / "pair.json").write_text(json.dumps({"bench_args": bench_args}, indent=1) + "\n")

@@ -28,8 +28,8 @@ from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.arms import arm_base, arm_tier, parse_arm, split_arm, with_budget
 from mlx_edge0.bench.measure import RunSpec
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
-from mlx_edge0.bench.tables import agreement_note, arm_label
-from mlx_edge0.bench.runner import BenchOptions, run_bench, runs_to_make
+from mlx_edge0.bench.tables import agreement_note, arm_label, regime_table
+from mlx_edge0.bench.runner import BenchOptions, load_run, run_bench, runs_to_make
 from mlx_edge0.bench.summary import run_metrics, summarize
 from mlx_edge0.bench.suite import (
     SuiteOptions,
@@ -252,6 +252,7 @@ def test_run_metrics_from_counters():
     m = run_metrics(record)
     assert m["mib_per_load"] == 1.5 and m["hot_hit_rate"] == 0.75 and m["staged_hit_rate"] == 0.5
     assert m["step_ms"] == 500.0 and m["step_other_ms"] == 480.0 and m["loads_per_token"] == 10
+    assert m["wait_share"] == pytest.approx(0.04)
     assert run_metrics({"decode_s_per_token": 1.0}) == {"step_ms": 1000.0, "step_other_ms": 1000.0}
 
 
@@ -309,6 +310,67 @@ def test_summary_pairs_runs_by_round():
     note = agreement_note(summarize(runs))
     assert "equal stock's in every round: edge0-exact/cold." in note
     assert "edge0-prerouter/cold (1 of 2 rounds)" in note
+
+
+def _capped_runs() -> list[dict]:
+    """Two rounds of llama.cpp and an edge0 arm at a 20 MB/s throttle (hand-made records)."""
+
+    def run(arm, rnd, tok_s, device_mb, wait_ms=None):
+        r = {"arm": arm, "cache": "cold", "round": rnd, "ok": True, "decode_tok_s": tok_s,
+             "decode_s_per_token": 1 / tok_s, "device_bytes_per_token": device_mb * 1e6}  # fmt: skip
+        if wait_ms is not None:
+            r["counters_per_token"] = {"exposed_wait_ms": wait_ms}
+        return r
+
+    return [
+        run("llamacpp", 0, 0.10, 200.0),
+        run("edge0-prerouter+bypass", 0, 0.50, 20.0, wait_ms=500.0),
+        run("edge0-prerouter+bypass", 1, 0.80, 20.0, wait_ms=250.0),
+        run("llamacpp", 1, 0.10, 200.0),
+    ]
+
+
+def test_capped_arms_are_paired_with_llamacpp_and_set_against_the_read_bound():
+    arms = summarize(_capped_runs())["arms"]
+    pre = arms["edge0-prerouter+bypass/cold"]
+    assert pre["decode_vs_llamacpp_paired"] == pytest.approx({"median": 6.5, "min": 5.0, "max": 8.0})
+    assert pre["metrics"]["wait_share"] == pytest.approx({"median": 0.225, "min": 0.2, "max": 0.25})
+    rows = {row[0]: row for row in regime_table(summarize(_capped_runs()), read_mbps=20).rows}
+    # 20 MB/s over 20 MB a token allows 1 tok/s; the median decode, 0.65, is 0.65 of it
+    assert rows["edge0-prerouter, page cache bypass"][3:] == [
+        "6.50 (5.00–8.00)", "20.0", "1.000", "0.65", "1625", "22.5", "1250",
+    ]  # fmt: skip
+    # llama.cpp at its bound; it records no wait, so no share and no step less wait
+    assert rows["llamacpp"][3:] == ["1.00", "200.0", "0.100", "1.00", "10000", "-", "-"]
+    assert regime_table(summarize(_capped_runs())).rows[0][5:7] == ["-", "-"]  # no throttle, no bound
+
+
+def test_bench_report_prints_a_run_file_again_and_names_a_bad_one(tmp_path):
+    good = tmp_path / "run.json"
+    good.write_text(
+        json.dumps({"options": {"regime": {"memory_cap_gib": 2.0, "read_mbps": 20}}, "runs": _capped_runs()})
+    )
+    assert load_run(good) == (_capped_runs(), 20)
+    shown = CliRunner().invoke(bench, ["report", str(good)])
+    assert shown.exit_code == 0, shown.output
+    assert (
+        "| edge0-prerouter, page cache bypass | cold | 0.650 (0.500–0.800) | 6.50 (5.00–8.00) | 20.0 | 1.000 | 0.65 |"
+        in (shown.output)
+    )
+    bad = {
+        "{": "not a readable JSON file",
+        "[]": "no list of 'runs'",
+        '{"runs": [{"arm": "x", "ok": true}]}': r"runs\[0\] has no cache, round",
+        '{"runs": [{"arm": "x", "ok": true, "cache": "cold", "round": 0}]}': r"runs\[0\] has no decode_tok_s",
+        '{"runs": [], "options": {"regime": {"read_mbps": "fast"}}}': "options.regime.read_mbps must be a positive",
+    }
+    for text, message in bad.items():
+        path = tmp_path / "bad.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"bad.json: {message}"):
+            load_run(path)
+        shown = CliRunner().invoke(bench, ["report", str(path)])
+        assert shown.exit_code == 1 and "bad.json" in shown.output and "Traceback" not in shown.output
 
 
 def test_noise_note_counts_a_busy_start_only_above_the_cpus():

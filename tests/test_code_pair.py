@@ -44,3 +44,14 @@ def test_step_is_the_wall_time_per_token_and_the_wait_its_share(tmp_path, code_p
     assert table["ratio"]["per_round"] == pytest.approx([1.6, 1.25, 0.8])
     assert table["ratio"]["median"] == pytest.approx(1.25)
     assert table["old"]["hot_hit_rate"] is None  # no hot counters in these runs
+
+
+def test_a_bare_tree_gets_the_packages_its_install_would_map(tmp_path, code_pair):
+    tree = tmp_path / "tree"
+    for d in ("mlx_edge0", "model_patches", "conversions"):
+        (tree / d).mkdir(parents=True)
+    (tree / "model_patches" / "__init__.py").write_text("FAMILY = 1\n")
+    made = code_pair.map_packages(tree)
+    assert made == [tree / "mlx_edge0" / "model_patches", tree / "mlx_edge0" / "conversions"]
+    assert (tree / "mlx_edge0" / "model_patches" / "__init__.py").read_text() == "FAMILY = 1\n"
+    assert code_pair.map_packages(tree) == []  # linked once; a second pair over the tree keeps them

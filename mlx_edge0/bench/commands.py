@@ -17,7 +17,8 @@ from .gguf_peer import RESIDENT_TYPES
 from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path, with_budget
 from .measure import DTYPES
 from .regime import PRESETS, Regime, checkpoint_bytes
-from .runner import CACHES, BenchOptions, run_bench
+from .runner import CACHES, BenchOptions, load_run, run_bench
+from .summary import summarize
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .synthetic_router import ROUTINGS
 from .report import write_report
@@ -307,7 +308,7 @@ def run(
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     results = run_bench(options, command=command_line())
-    click.echo(markdown_table(results["summary"]))
+    click.echo(markdown_table(results["summary"], regime.read_mbps))
     click.echo(f"\nResults: {out}")
     summary = results["summary"]["arms"].values()
     if any(e["ok"] == 0 and e.get("oom", 0) < e["runs"] for e in summary):  # an OOM kill is a result
@@ -496,11 +497,16 @@ def clean(data: Path, dry_run: bool):
 
 
 @bench.command("report")
-@click.argument("results", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("results", type=click.Path(exists=True, path_type=Path))
 def report(results: Path):
     """Render summary.md and report.html again from RESULTS/suite.json (or, for
-    a sweep, sweep.md and sweep.html from RESULTS/sweep.json)."""
+    a sweep, sweep.md and sweep.html from RESULTS/sweep.json); given a
+    ``bench run`` results file, print its tables again, summarized from its runs."""
     try:
+        if results.is_file():
+            runs, read_mbps = load_run(results)
+            click.echo(markdown_table(summarize(runs), read_mbps))
+            return
         if (results / "sweep.json").is_file() and not (results / "suite.json").is_file():
             md, html = write_sweep_report(load_sweep(results), results)
         else:

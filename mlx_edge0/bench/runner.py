@@ -293,6 +293,37 @@ def write_json(path: Path, data: dict) -> None:
     write_json_atomic(path, data, indent=2)
 
 
+RUN_KEYS = ("arm", "cache", "round", "ok")  # what every run record has, failed or not
+
+
+def load_run(path: Path) -> tuple[list[dict], Optional[float]]:
+    """A ``bench run`` results file's runs and the read throttle they ran under (MB/s, None: none).
+
+    Raises:
+        ValueError: the file is not JSON or not a bench run's results (names the file and field).
+    """
+    path = Path(path)
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    runs = results.get("runs") if isinstance(results, dict) else None
+    if not isinstance(runs, list):
+        raise ValueError(f"{path}: no list of 'runs' (not a results file of `edge0 bench run --out`)")
+    for i, r in enumerate(runs):
+        missing = [k for k in RUN_KEYS if not isinstance(r, dict) or k not in r]
+        if not missing and r["ok"] and "decode_tok_s" not in r:
+            missing = ["decode_tok_s"]
+        if missing:
+            raise ValueError(f"{path}: runs[{i}] has no {', '.join(missing)} (not a run of `edge0 bench run`)")
+    options = results.get("options")
+    regime = options.get("regime") if isinstance(options, dict) else None
+    read_mbps = regime.get("read_mbps") if isinstance(regime, dict) else None
+    if read_mbps is not None and not (isinstance(read_mbps, (int, float)) and read_mbps > 0):
+        raise ValueError(f"{path}: options.regime.read_mbps must be a positive number, got {read_mbps!r}")
+    return runs, read_mbps
+
+
 # Options that only say which runs to make: an earlier file that differs in
 # them still measured its runs the same way.
 SELECTING = ("resume", "arms", "caches")

@@ -46,8 +46,14 @@ def run_metrics(r: dict) -> dict:
     if r.get("decode_s_per_token"):
         m["step_ms"] = r["decode_s_per_token"] * 1e3
         m["step_other_ms"] = m["step_ms"] - m.get("exposed_wait_ms_per_step", 0.0)
+        if "exposed_wait_ms_per_step" in m:
+            m["wait_share"] = m["exposed_wait_ms_per_step"] / m["step_ms"]
     return m
 
+
+# Arms every other arm's decode is paired with, round by round: stock mlx-lm, the
+# exact path, and the peer a user would run instead (issue 19's "× llama.cpp").
+PAIRED_REFERENCES = ("stock", "edge0-exact", "llamacpp")
 
 SUMMARY_METRICS = (
     "load_s", "prefill_tok_s", "ttft_s", "ttft_with_load_s", "warm_prefill_tok_s", "warm_ttft_s",
@@ -76,8 +82,8 @@ def _slots(runs: list[dict]) -> dict[tuple[int, str], dict[str, dict]]:
 
 def summarize(runs: list[dict]) -> dict:
     """Per arm and cache state: median and min/max of every metric, the decode
-    ratio to stock within each round (runs made side by side, so slow drifts in
-    machine load cancel), and how often greedy tokens equal the reference arm's
+    ratio to each of :data:`PAIRED_REFERENCES` within each round (runs made side
+    by side, so slow drifts in machine load cancel), and how often greedy tokens equal the reference arm's
     (stock, else edge0-exact) in the same round."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
@@ -92,7 +98,7 @@ def summarize(runs: list[dict]) -> dict:
             entry["counters_per_token"] = stats_of(counters, counters[0])
         metrics = [run_metrics(r) for r in ok]
         entry["metrics"] = stats_of(metrics, metrics[0]) if metrics else {}
-        for reference in ("stock", "edge0-exact"):
+        for reference in PAIRED_REFERENCES:
             paired = [s[arm]["decode_tok_s"] / s[reference]["decode_tok_s"]
                       for (_, c), s in slots.items() if c == cache and arm in s and reference in s]  # fmt: skip
             if paired:
@@ -101,7 +107,7 @@ def summarize(runs: list[dict]) -> dict:
         for (_, c), s in slots.items():
             reference = s.get("stock") or s.get("edge0-exact")
             if c == cache and arm in s and reference is not None and reference is not s[arm] and not is_peer_arm(arm):
-                same.append(s[arm]["tokens"] == reference["tokens"])
+                same.append(s[arm].get("tokens") == reference.get("tokens"))
         if same:
             entry["tokens_equal_reference"] = {"same": sum(same), "rounds": len(same)}
         failures = [r for r in rs if not r["ok"]]

@@ -167,6 +167,34 @@ def pressure_table(summary: dict) -> Table:
     return Table(headers, rows, notes=_failures(summary))
 
 
+def regime_table(summary: dict, read_mbps: Optional[float] = None) -> Table:
+    """Each arm against the disk and the peer (issue 19): the tok/s the read
+    throttle allows at the arm's device bytes per token (``read_mbps`` ÷ MB a
+    token), the share of it the decode reaches (the disk idles for the rest),
+    where a step's time went, and the decode ratio to llama.cpp's mmap arm
+    within each round."""
+    rows = []
+    for e in summary.get("arms", {}).values():
+        tok_s, device = median(e, "decode_tok_s"), median(e, "device_bytes_per_token", "metrics")
+        bound = read_mbps * MB / device if read_mbps and device else None
+        waited = stat(e, "wait_share", "metrics") is not None  # peers record no wait
+        rows.append([
+            arm_label(e["arm"]), e["cache"], cell(stat(e, "decode_tok_s"), digits=3),
+            cell(stat(e, "decode_vs_llamacpp_paired")),
+            cell(stat(e, "device_bytes_per_token", "metrics"), MB, 1, spread=False),
+            "-" if bound is None else f"{bound:.3f}", ratio(tok_s, bound),
+            cell(stat(e, "step_ms", "metrics"), digits=0, spread=False),
+            cell(stat(e, "wait_share", "metrics"), 0.01, 1, spread=False),
+            cell(stat(e, "step_other_ms", "metrics"), digits=0, spread=False) if waited else "-",
+        ])  # fmt: skip
+    rate = f"{read_mbps:g}" if read_mbps else "read MB/s"
+    headers = ["arm", "cache", "decode tok/s", "× llama.cpp (per round)", "device MB/token",
+               f"read bound tok/s ({rate} ÷ MB)", "of the bound", "step ms",
+               "exposed wait, % of the step", "step less wait ms"]  # fmt: skip
+    caption = "Step: wall time per decoded token; its wait share and the step less wait: medians of each run's."
+    return Table(headers, rows, caption=caption)
+
+
 def _failures(summary: dict) -> list[str]:
     return [f"{e['arm']}/{e['cache']} failed: {e['last_error']} (stderr tail in the JSON)"
             for e in summary.get("arms", {}).values() if "last_error" in e]  # fmt: skip
@@ -201,8 +229,13 @@ def agreement_note(summary: dict) -> str:
     return " ".join(parts)
 
 
-def markdown_table(summary: dict) -> str:
-    """Every metric per arm and cache state (the ``edge0 bench run`` printout)."""
+def markdown_table(summary: dict, read_mbps: Optional[float] = None) -> str:
+    """Every metric per arm and cache state (the ``edge0 bench run`` printout);
+    where reads were throttled (``read_mbps``) or llama.cpp ran, each arm
+    against the read bound and the peer too."""
     parts = [speed_table(summary).markdown(), memory_table(summary).markdown()]
+    peer = any("decode_vs_llamacpp_paired" in e for e in summary.get("arms", {}).values())
+    if read_mbps or peer:
+        parts.append(regime_table(summary, read_mbps).markdown())
     note = agreement_note(summary)
     return "\n\n".join(parts + ([note] if note else []))
