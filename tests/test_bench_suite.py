@@ -28,7 +28,7 @@ from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.arms import arm_base, arm_tier, parse_arm, split_arm, with_budget
 from mlx_edge0.bench.measure import RunSpec
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
-from mlx_edge0.bench.tables import agreement_note, arm_label, regime_table
+from mlx_edge0.bench.tables import agreement_note, arm_label, rate_digits, regime_table
 from mlx_edge0.bench.runner import BenchOptions, load_run, run_bench, runs_to_make
 from mlx_edge0.bench.summary import run_metrics, summarize
 from mlx_edge0.bench.suite import (
@@ -343,6 +343,7 @@ def test_capped_arms_are_paired_with_llamacpp_and_set_against_the_read_bound():
     # llama.cpp at its bound; it records no wait, so no share and no step less wait
     assert rows["llamacpp"][3:] == ["1.00", "200.0", "0.100", "1.00", "10000", "-", "-"]
     assert regime_table(summarize(_capped_runs())).rows[0][5:7] == ["-", "-"]  # no throttle, no bound
+    assert [rate_digits(v) for v in (0.00657, 0.0172, 0.155, 19.07, None)] == [5, 4, 3, 3, 3]
 
 
 def test_bench_report_prints_a_run_file_again_and_names_a_bad_one(tmp_path):

@@ -82,9 +82,9 @@ def _slots(runs: list[dict]) -> dict[tuple[int, str], dict[str, dict]]:
 
 def summarize(runs: list[dict]) -> dict:
     """Per arm and cache state: median and min/max of every metric, the decode
-    ratio to each of :data:`PAIRED_REFERENCES` within each round (runs made side
-    by side, so slow drifts in machine load cancel), and how often greedy tokens equal the reference arm's
-    (stock, else edge0-exact) in the same round."""
+    ratio to each of :data:`PAIRED_REFERENCES` within each round (runs made
+    side by side, so slow drifts in machine load cancel), and how often greedy
+    tokens equal the reference arm's (stock, else edge0-exact) in the same round."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["arm"], r["cache"]), []).append(r)
@@ -107,7 +107,8 @@ def summarize(runs: list[dict]) -> dict:
         for (_, c), s in slots.items():
             reference = s.get("stock") or s.get("edge0-exact")
             if c == cache and arm in s and reference is not None and reference is not s[arm] and not is_peer_arm(arm):
-                same.append(s[arm].get("tokens") == reference.get("tokens"))
+                if "tokens" in s[arm] and "tokens" in reference:  # records made by hand may leave them out
+                    same.append(s[arm]["tokens"] == reference["tokens"])
         if same:
             entry["tokens_equal_reference"] = {"same": sum(same), "rounds": len(same)}
         failures = [r for r in rs if not r["ok"]]

@@ -7,6 +7,7 @@ report cannot disagree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -167,6 +168,12 @@ def pressure_table(summary: dict) -> Table:
     return Table(headers, rows, notes=_failures(summary))
 
 
+def rate_digits(value: Optional[float]) -> int:
+    """Decimals that keep three significant digits of a rate under 0.1 (a
+    peer's 0.00657 tok/s), three above."""
+    return 3 if not value or value >= 0.1 else 2 - math.floor(math.log10(value))
+
+
 def regime_table(summary: dict, read_mbps: Optional[float] = None) -> Table:
     """Each arm against the disk and the peer (issue 19): the tok/s the read
     throttle allows at the arm's device bytes per token (``read_mbps`` ÷ MB a
@@ -179,10 +186,10 @@ def regime_table(summary: dict, read_mbps: Optional[float] = None) -> Table:
         bound = read_mbps * MB / device if read_mbps and device else None
         waited = stat(e, "wait_share", "metrics") is not None  # peers record no wait
         rows.append([
-            arm_label(e["arm"]), e["cache"], cell(stat(e, "decode_tok_s"), digits=3),
+            arm_label(e["arm"]), e["cache"], cell(stat(e, "decode_tok_s"), digits=rate_digits(tok_s)),
             cell(stat(e, "decode_vs_llamacpp_paired")),
             cell(stat(e, "device_bytes_per_token", "metrics"), MB, 1, spread=False),
-            "-" if bound is None else f"{bound:.3f}", ratio(tok_s, bound),
+            "-" if bound is None else f"{bound:.{rate_digits(bound)}f}", ratio(tok_s, bound),
             cell(stat(e, "step_ms", "metrics"), digits=0, spread=False),
             cell(stat(e, "wait_share", "metrics"), 0.01, 1, spread=False),
             cell(stat(e, "step_other_ms", "metrics"), digits=0, spread=False) if waited else "-",
