@@ -48,6 +48,8 @@ COLUMNS = {  # name -> (heading, value of one run record)
         "bundles resident at the decode's start",
         lambda r: len(r["eviction_replay"]["resident_keys"]),
     ),
+    "held_at_decode": ("held bundles at the decode's start", lambda r: r["held_at_decode_start"]),
+    "held_released": ("held bundles released in the decode", lambda r: r["decode_counters"]["held_released"]),
     "min_from_start": ("MIN from the decode's start", lambda r: r["eviction_replay"]["from_start"]["hit_rate"]["min"]),
     "exposed_wait_ms": ("exposed wait ms/step", lambda r: r["counters_per_token"]["exposed_wait_ms"]),
     # the bench's own step (the wall time per decoded token), not the runtime's step counter

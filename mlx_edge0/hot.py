@@ -12,7 +12,9 @@ recency) is the default because it measured a higher hit rate than LRU on the
 routing traces in BENCHMARKS.md: MoE routing has persistently popular experts
 per layer, and pure recency evicts them during a burst of rare ones. LRU stays
 available (``hot_policy="lru"``) for comparison. Permanent bundles (:meth:`HotCache.add_permanent`:
-with the prerouter, the layers no owner predicts) are never a victim. A prompt
+with the prerouter, the layers no owner predicts, where they take a small share) are never a
+victim; held ones (:meth:`HotCache.add_held`: those layers where their share is larger) are not
+a victim until the cache first has to evict, then the policy ranks them as any other. A prompt
 read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_experts`),
 copied from the rows it read, so the decode that follows starts from them.
 With ``lookahead`` the hot path reads the next layer's likely experts in
@@ -118,6 +120,7 @@ class FrequencyPolicy(LRUPolicy):
 
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
 PERMANENT_SHARE = 8  # permanent bundles take at most 1/8 of the rows (permanent_fits)
+KEPT_SHARE = 2  # permanent and held bundles together take at most 1/2 of the rows (kept_fits)
 
 
 def plan_fill(
@@ -151,6 +154,13 @@ def permanent_fits(rows: int, capacity: int, total_experts: int) -> bool:
     return rows <= capacity // PERMANENT_SHARE or capacity >= total_experts
 
 
+def kept_fits(rows: int, capacity: int) -> bool:
+    """Whether ``rows`` bundles kept out of the victim choice (permanent or
+    held) leave a cache of ``capacity`` rows enough to route the other layers
+    through: at most ``1 / KEPT_SHARE`` of it."""
+    return rows <= capacity // KEPT_SHARE
+
+
 def hot_capacity(budget_bytes: int, row_bytes: int, total_experts: int) -> int:
     """Rows a byte budget buys: never more than there are expert bundles to
     hold, so a generous budget on a small checkpoint allocates the experts'
@@ -169,6 +179,7 @@ class HotCache:
         self.free = list(range(capacity))
         self.policy = POLICIES[policy](capacity)
         self.permanent: set[Key] = set()
+        self.held: set[Key] = set()  # out of the victim choice until the cache first evicts
         self.ahead: dict[Key, Guess] = {}  # bundles read ahead whose reads have not landed
         self.read_ahead: set[Key] = set()  # read ahead and landed, for a call still to come
 
@@ -177,12 +188,24 @@ class HotCache:
         return self.buffers.nbytes
 
     def _unevictable(self) -> set[Key]:
-        """Permanent bundles, and those whose prefetch reads may still be writing."""
-        return (self.permanent | self.ahead.keys()) if self.ahead else self.permanent
+        """Permanent and held bundles, and those whose prefetch reads may still be writing."""
+        if not (self.held or self.ahead):
+            return self.permanent  # no copy per decode call
+        return self.permanent | self.held | self.ahead.keys()
+
+    def _release_held(self, arriving: int) -> None:
+        """Hand the held bundles to the policy once ``arriving`` new bundles
+        need more rows than are free: from the first eviction on they are
+        ranked as every other bundle (a victim only if the policy says so)."""
+        if self.held and arriving > len(self.free):
+            self.store.telemetry.current.held_released += len(self.held)
+            self.held = set()
 
     def _make_room(self, keys: list[Key], keep: AbstractSet[Key] = frozenset()) -> dict[Key, int]:
         """Rows for the keys of ``keys`` that are not resident (free rows, then
         victims other than ``keep``); the victims are forgotten at once."""
+        if self.held:
+            self._release_held(sum(k not in self.row_of for k in dict.fromkeys(keys)))
         unevictable = self._unevictable() | keep if keep else self._unevictable()  # no copy per decode call
         placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, unevictable)
         for k in evicted:
@@ -232,6 +255,7 @@ class HotCache:
         placed = dict(zip(wanted, self.free))
         self.free = self.free[len(placed) :]
         rest = wanted[len(placed) :]
+        self._release_held(len(rest))  # the free rows are spent: from here on the cache evicts
         unevictable = self._unevictable()
         candidates = [k for k in self.row_of if k not in unevictable] if rest else []
         for k, victim in zip(rest, self.policy.victims(candidates, len(rest))):
@@ -254,11 +278,27 @@ class HotCache:
             ValueError: they would take more than half the rows (too few left
                 to route the other layers through).
         """
+        self.permanent.update(self._read_kept(layer, experts))
+
+    def add_held(self, layer: int, experts: Sequence[int]) -> None:
+        """Read ``experts`` of ``layer`` into rows now and keep them out of the
+        victim choice until the cache first has to evict (a miss, a prompt's
+        copy or a read ahead finds no free row); from then on the policy ranks
+        them as every other bundle. For a layer no owner predicts whose share
+        of the cache is too large to be permanent (``permanent_fits``): while
+        the cache has room it costs the other layers nothing. Call at load.
+
+        Raises:
+            ValueError: they would take more than half the rows.
+        """
+        self.held.update(self._read_kept(layer, experts))
+
+    def _read_kept(self, layer: int, experts: Sequence[int]) -> set[Key]:
         keys = {(layer, int(e)) for e in experts}
-        if len(self.permanent | keys) > self.capacity // 2:
+        if not kept_fits(len(self.permanent | self.held | keys), self.capacity):
             raise ValueError(f"keeping {len(keys)} experts of layer {layer} leaves too few of {self.capacity} rows")
         self.fetch(layer, experts)
-        self.permanent.update(keys)
+        return keys
 
     def row(self, layer: int, expert: int) -> Optional[int]:
         """The row to copy ``expert`` of ``layer`` from, or None: not resident, or
@@ -326,6 +366,7 @@ class HotCache:
         once a read has written its row (a dropped read gives the row back to
         it). Returns the bundles queued."""
         keys = list(dict.fromkeys((layer, int(e)) for e in ids if (layer, int(e)) not in self.row_of))
+        self._release_held(len(keys))
         unevictable = self._unevictable() | keep
         spare = len(self.free) + sum(k not in unevictable for k in self.row_of)
         keys = keys[:spare]

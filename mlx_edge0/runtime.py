@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .checkpoint import RESIDENT_FILE, Edge0Section
-from .hot import HotCache, hot_capacity, permanent_fits
+from .hot import HotCache, hot_capacity, kept_fits, permanent_fits
 from .options import MIN_STAGED_WINDOW, Options
 from .parallel import ExpertShard
 from .paths import ExactPath, HotPath, NextLayerRouting, StagedPath, WholeLayerPath
@@ -144,15 +144,20 @@ class StreamingRuntime:
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
         # and the compute waits for its misses: its experts are read into the hot cache once,
-        # here, and stay, where that leaves the cache its use (``permanent_fits``).
+        # here. They stay where that leaves the cache its use (``permanent_fits``); where
+        # their share is larger, they stay until the cache first has to evict (``add_held``).
         predicted = set(consumer_of.values())
         unpredicted = [layer for layer in layers if layer not in predicted] if consumer_of else []
         rows = len(unpredicted) * self.experts_per_layer
-        fits = self.hot is not None and permanent_fits(rows, capacity, total_experts)
-        self.permanent_layers = unpredicted if fits else []
+        permanent = self.hot is not None and permanent_fits(rows, capacity, total_experts)
+        held = self.hot is not None and not permanent and kept_fits(rows, capacity)
+        self.permanent_layers = unpredicted if permanent else []
+        self.held_layers = unpredicted if held else []
         experts = range(g.num_experts) if owned is None else [int(e) for e in owned]
         for layer in self.permanent_layers:
             self.hot.add_permanent(layer, experts)
+        for layer in self.held_layers:
+            self.hot.add_held(layer, experts)
         profile = load_profile(checkpoint_dir, section) if self.hot is not None and options.popularity_prior else None
         if profile is not None:
             self.hot.add_prior(prior_counts(profile, self.k_of, experts))

@@ -49,6 +49,8 @@ class Stats:
         whole_layer_loads: layers read whole for a prompt chunk.
         prompt_copied: expert bundles of those whole layers copied into the
             hot cache (no read: :meth:`mlx_edge0.hot.HotCache.copy_prompt_experts`).
+        held_released: held bundles (:meth:`mlx_edge0.hot.HotCache.add_held`)
+            handed to the policy because the cache had to evict.
         prerouted: layer calls routed by the prerouter's prediction and
             computed from the staging buffer filled with exactly that routing.
         read_errors: read batches that failed (raised in the caller).
@@ -73,6 +75,7 @@ class Stats:
     staged_fallbacks: int = 0
     whole_layer_loads: int = 0
     prompt_copied: int = 0
+    held_released: int = 0
     prerouted: int = 0
     read_errors: int = 0
 

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from fakes import FakeStore
 from mlx_edge0.expert_math import expert_glu
-from mlx_edge0.hot import HotCache, permanent_fits
+from mlx_edge0.hot import HotCache, kept_fits, permanent_fits
 from mlx_edge0.paths import ExactPath, HotPath, NextLayerRouting, StagedPath, WholeLayerPath
 from mlx_edge0.prefill import WholeLayerLoader
 from mlx_edge0.prerouting import (
@@ -300,6 +300,29 @@ def test_permanent_experts_are_read_once_and_never_evicted():
         hot.hot.add_permanent(2, [0])
 
 
+def test_held_experts_stay_until_the_cache_first_evicts_then_the_policy_ranks_them():
+    """What :meth:`HotCache.add_held` reads at load is hit and never a victim
+    while misses find free rows; the first miss that finds none hands them to
+    the policy (counted once), which then evicts the least used of them first."""
+    store = FakeStore(LAYERS)
+    _, hot, _, _ = _paths(store, hot_rows=6)
+    hot.hot.add_held(0, [1, 3, 5])
+    assert store.submitted == [(0, [1, 3, 5], True)] and hot.hot.held == {(0, e) for e in (1, 3, 5)}
+    store.telemetry.begin_step(1)
+    x, inds = _x(store, 1, 1), mx.array([[[5, 1]]], mx.uint32)
+    assert mx.array_equal(hot.experts(0, x, inds), expert_glu(x, inds, store.weights(0))).item()
+    hot.experts(1, _x(store, 1, 1, 1), mx.array([[[0, 2]]], mx.uint32))  # two of the three free rows
+    s = store.telemetry.current
+    assert (s.hot_hits, s.hot_misses, s.held_released, len(hot.hot.free)) == (2, 2, 0, 1)
+    assert len(hot.hot.held) == 3
+    hot.experts(2, _x(store, 1, 1, 2), mx.array([[[0, 2]]], mx.uint32))  # one free row: the cache evicts
+    assert hot.hot.held == set() and store.telemetry.current.held_released == 3
+    # LFU: (0, 3) was used once (its load), longest ago: the victim
+    assert set(hot.hot.row_of) == {(0, 1), (0, 5), (1, 0), (1, 2), (2, 0), (2, 2)}
+    with pytest.raises(ValueError, match="too few"):  # permanent and held: at most half the rows
+        hot.hot.add_permanent(3, range(4))
+
+
 def test_a_prompt_keeps_its_most_routed_experts_without_reading_them():
     """:meth:`HotCache.copy_prompt_experts`: the whole-layer path copies a prompt's
     experts into the cache best first (LFU: most routed, ties by recency), and
@@ -329,6 +352,7 @@ def test_a_prompt_keeps_its_most_routed_experts_without_reading_them():
 
 def test_permanent_bundles_fit_in_a_small_share_or_a_cache_of_every_expert():
     assert permanent_fits(64, 512, 4096) and not permanent_fits(65, 512, 4096)
+    assert kept_fits(256, 512) and not kept_fits(257, 512)  # held: up to half
     assert permanent_fits(256, 768, 768)  # the cache holds every expert: nothing is displaced
     assert not permanent_fits(256, 767, 768)
 

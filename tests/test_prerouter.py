@@ -195,7 +195,9 @@ def test_the_layer_no_owner_predicts_stays_in_the_hot_cache(with_heads, family):
     """With the prerouter on, the first MoE layer routes with its gate and
     would wait for its reads: where the hot cache holds every expert, all its
     experts are read at load and stay; where they would take too much of a
-    smaller cache, nothing is permanent. The same numbers either way."""
+    smaller cache to be permanent, they are held until it first evicts; in
+    one too small to hold them at half its rows, nothing is read at load.
+    The same numbers every way."""
     path = with_heads(family)
     ids = _prompt_ids(path)
     want = greedy(mlx_edge0.load_model(path, cache_gib=0), ids, 40)
@@ -211,8 +213,14 @@ def test_the_layer_no_owner_predicts_stays_in_the_hot_cache(with_heads, family):
     assert greedy(model, ids, 40) == want
     assert {e for layer, e in rt.hot.row_of if layer == first} == set(range(n))
     assert rt.hot.permanent == {(first, e) for e in range(n)}
-    smaller = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30).edge0_runtime  # 40% of it
-    assert smaller.permanent_layers == [] and smaller.hot.row_of == {}
+    held = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30)  # the layer is 40% of it
+    hrt = held.edge0_runtime
+    assert hrt.permanent_layers == [] and hrt.held_layers == [first] and hrt.hot.permanent == set()
+    assert set(hrt.hot.row_of) == hrt.hot.held == {(first, e) for e in range(n)}
+    assert greedy(held, ids, 40) == want
+    assert hrt.hot.held == set() and hrt.telemetry.summed().held_released == n  # 2.5 layers fill it
+    smaller = mlx_edge0.load_model(path, cache_gib=1.5 * n * row / 2**30).edge0_runtime  # 67%
+    assert smaller.held_layers == smaller.permanent_layers == [] and smaller.hot.row_of == {}
     off = mlx_edge0.load_model(path, cache_gib=1.0, prerouter=False).edge0_runtime
     assert off.permanent_layers == [] and off.hot.row_of == {}  # every layer routes with its gate
 

@@ -309,6 +309,8 @@ def measure(spec: RunSpec) -> dict:
     routed_steps: list[list[tuple[int, list[int]]]] = []
     hot = model.edge0_runtime.hot if hasattr(model, "edge0_runtime") else None
     resident_at_start = [] if hot is None else list(hot.row_of)  # filled by the prompt and warm-up
+    if hot is not None:
+        record["held_at_decode_start"] = len(hot.held)  # released to the policy since: held_released
     device_before = device_read_bytes()
 
     def queue(y: mx.array) -> mx.array:
