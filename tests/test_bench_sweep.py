@@ -16,8 +16,8 @@ from mlx_edge0.bench.charts import CHART_W, PALETTE, Cell, grid_map
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.regime import Regime, own_cgroups
 from mlx_edge0.bench.summary import summarize
-from mlx_edge0.bench.sweep import SweepOptions, arm_summary, parse_grid, point_name, winner
-from mlx_edge0.bench.sweep_report import map_chart, write_sweep_report
+from mlx_edge0.bench.sweep import SweepOptions, arm_summary, parse_grid, point_name, refresh_points, winner
+from mlx_edge0.bench.sweep_report import map_chart, point_table, write_sweep_report
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -139,6 +139,48 @@ def test_map_draws_each_cells_winner_and_values_in_place():
     assert legend == series
 
 
+def test_a_point_sets_each_arm_against_llamacpp_and_the_read_bound():
+    """Issue 19's targets per point: decode over llama.cpp's mmap arm round by
+    round, the share of the read bound (MB/s ÷ device MB a token) and of the
+    step spent waiting."""
+    runs = [
+        _run("llamacpp", 0, 0.5),
+        _run("edge0-exact", 0, 2.5),
+        _run("llamacpp", 1, 0.4),
+        _run("edge0-exact", 1, 2.4),
+    ]
+    for r in runs[1::2]:
+        r.update(counters_per_token={"exposed_wait_ms": 40.0}, decode_s_per_token=1 / r["decode_tok_s"])
+    arms = _arms(runs)
+    exact = arms[1]
+    assert exact["decode_vs_llamacpp"]["median"] == pytest.approx(5.5) and exact["wait_share"]["median"] == 0.098
+    table = point_table({"read_mbps": 50.0, "arms": arms, "winner": winner(arms), "results": "points/x.json"})
+    text = table.markdown()
+    assert "| read bound tok/s (50 ÷ MB) | of the bound | exposed wait, % of the step |" in text
+    assert "| llamacpp | 2/2 | 0.450 (0.400–0.500) | 0.18 | 1.00 | 0 | 3.0 | 16.667 | 0.03 | - |" in text
+    assert (
+        "| edge0-exact | 2/2 | 2.450 (2.400–2.500) | 1.00 | 5.50 (5.00–6.00) | 0 | 3.0 | 16.667 | 0.15 | 9.8 |" in text
+    )
+
+
+def test_report_summarizes_each_point_again_from_its_runs(tmp_path):
+    """`bench report DIR` on a sweep made before a column existed: each point's
+    arms come from the runs in its file, so the new columns are filled; a
+    point file that is not a bench run's results is named."""
+    runs = [_run("llamacpp", 0, 0.5), _run("edge0-exact", 0, 2.5)]
+    (tmp_path / "points").mkdir()
+    (tmp_path / "points" / "cap-1-mbps-50.json").write_text(json.dumps({"runs": runs}))
+    old_arms = [{k: v for k, v in a.items() if k not in ("decode_vs_llamacpp", "wait_share")} for a in _arms(runs)]
+    point = {"memory_cap_gib": 1.0, "read_mbps": 50.0, "regime": "r", "results": "points/cap-1-mbps-50.json",
+             "arms": old_arms, "winner": "llamacpp"}  # fmt: skip
+    sweep = {"options": {"arms": ["llamacpp", "edge0-exact"], "cache": "cold"}, "points": [point]}
+    (refreshed,) = refresh_points(sweep, tmp_path)["points"]
+    assert refreshed["winner"] == "edge0-exact" and refreshed["arms"][1]["decode_vs_llamacpp"]["median"] == 5.0
+    (tmp_path / "points" / "cap-1-mbps-50.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"cap-1-mbps-50.json: no list of 'runs'"):
+        refresh_points(sweep, tmp_path)
+
+
 def test_report_renders_the_map_and_a_table_per_point(tmp_path):
     """From records as run_sweep writes them: the Markdown map lists the largest cap first, as the chart draws."""
 
@@ -187,9 +229,11 @@ def test_report_renders_the_map_and_a_table_per_point(tmp_path):
         "| 0.5 GiB | all OOM | edge0-exact (0.800 tok/s) |",
     ]
     assert "| memory cap \\ reads | 100 MB/s | uncapped |" in text
-    assert "| stock | 1/1 | 1.500 | 1.00 | 0 | 3.0 | 0.50 | 1.00 |" in text
-    assert "| edge0-exact | 1/1 | 0.750 | 0.50 | 0 | 3.0 | 0.50 | 1.00 |" in text
-    assert "| stock | 0/1 | - | - | 1 | - | - | - |" in text
+    # at 100 MB/s, 3 MB a token: a read bound of 33.3 tok/s; no llama.cpp arm, no wait recorded
+    assert "| stock | 1/1 | 1.500 | 1.00 | - | 0 | 3.0 | 33.333 | 0.04 | - | 0.50 | 1.00 |" in text
+    assert "| edge0-exact | 1/1 | 0.750 | 0.50 | - | 0 | 3.0 | 33.333 | 0.02 | - | 0.50 | 1.00 |" in text
+    assert "| stock | 0/1 | - | - | - | 1 | - | - | - | - | - | - |" in text
+    assert "| edge0-exact | 1/1 | 0.800 | 1.00 | - | 0 | 3.0 | - | - | - | 0.50 | 1.00 |" in text  # reads uncapped
     assert "Winner: none (no arm decoded without an OOM kill)." in text
     assert "edge0-exact failed: child exited with status 1 (stderr tail in points/cap-none-mbps-none.json)" in text
     assert text.count("## Memory cap ") == 4 and "Command: `edge0 bench sweep --test`" in text

@@ -22,7 +22,7 @@ from .summary import summarize
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .synthetic_router import ROUTINGS
 from .report import write_report
-from .sweep import SWEEP_CACHES, SweepOptions, failed_arms, load_sweep, parse_grid, run_sweep
+from .sweep import SWEEP_CACHES, SweepOptions, failed_arms, load_sweep, parse_grid, refresh_points, run_sweep
 from .sweep_report import write_sweep_report
 from .suite import PHASES, SuiteOptions, check_suite_arm, command_line, load_suite, quick as quick_options, run_suite
 from .tables import markdown_table
@@ -500,7 +500,8 @@ def clean(data: Path, dry_run: bool):
 @click.argument("results", type=click.Path(exists=True, path_type=Path))
 def report(results: Path):
     """Render summary.md and report.html again from RESULTS/suite.json (or, for
-    a sweep, sweep.md and sweep.html from RESULTS/sweep.json); given a
+    a sweep, sweep.md and sweep.html from RESULTS/sweep.json, each point's arms
+    summarized again from the runs in its file under points/); given a
     ``bench run`` results file, print its tables again, summarized from its runs."""
     try:
         if results.is_file():
@@ -508,7 +509,7 @@ def report(results: Path):
             click.echo(markdown_table(summarize(runs), read_mbps))
             return
         if (results / "sweep.json").is_file() and not (results / "suite.json").is_file():
-            md, html = write_sweep_report(load_sweep(results), results)
+            md, html = write_sweep_report(refresh_points(load_sweep(results), results), results)
         else:
             md, html = write_report(load_suite(results), results)
     except ValueError as e:

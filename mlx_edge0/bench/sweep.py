@@ -26,9 +26,9 @@ from typing import Callable, Iterable, Optional
 
 from ..progress import bar, note
 from .regime import Regime
-from .runner import BenchOptions, machine_info, options_dict, run_bench, runs_to_make, write_json
-from .summary import stats_of
-from .tables import median
+from .runner import BenchOptions, load_run, machine_info, options_dict, run_bench, runs_to_make, write_json
+from .summary import stats_of, summarize
+from .tables import median, stat
 
 # A cap needs a cold page cache (pages cached before the run are charged to another cgroup).
 SWEEP_CACHES = ("cold", "pressure")
@@ -138,7 +138,9 @@ class SweepOptions:
 def arm_summary(entry: dict, runs: list[dict]) -> dict:
     """One arm at one point, from its :func:`summary.summarize` entry and its
     runs: decode tok/s (median, min, max), OOM kills, device bytes per decoded
-    token, peak MLX memory and the cgroup's peak (page cache included)."""
+    token, peak MLX memory and the cgroup's peak (page cache included); its
+    decode over llama.cpp's mmap arm's round by round, and the exposed wait's
+    share of its step, where the point has them (issue 19's targets)."""
     cgroups = [r["cgroup"] for r in runs if r["ok"] and r["arm"] == entry["arm"] and "cgroup" in r]
     return {
         "arm": entry["arm"],
@@ -149,6 +151,8 @@ def arm_summary(entry: dict, runs: list[dict]) -> dict:
         "device_bytes_per_token": median(entry, "device_bytes_per_token", "metrics"),
         "peak_memory": entry.get("peak_memory"),
         "cgroup_peak_bytes": stats_of(cgroups, ["cgroup_peak_bytes"]).get("cgroup_peak_bytes"),
+        "decode_vs_llamacpp": entry.get("decode_vs_llamacpp_paired"),
+        "wait_share": stat(entry, "wait_share", "metrics"),
         "error": entry.get("last_error"),
     }
 
@@ -239,3 +243,24 @@ def load_sweep(out: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def refresh_points(sweep: dict, out: Path) -> dict:
+    """``sweep`` with each point's arms summarized again from the runs in its
+    results file (``out/points/...``), so a sweep made before a column
+    existed reports it too; a point whose file is gone keeps its summary.
+
+    Raises:
+        ValueError: a point's file is not a bench run's results (names it).
+    """
+    cache = sweep["options"]["cache"]
+    for p in sweep["points"]:
+        path = Path(out) / p["results"]
+        if not path.is_file():
+            continue
+        runs, _ = load_run(path)
+        entries = summarize(runs)["arms"]
+        arms = [arm_summary(entries[f"{arm}/{cache}"], runs) for arm in sweep["options"]["arms"]
+                if f"{arm}/{cache}" in entries]  # fmt: skip
+        p.update(arms=arms, winner=winner(arms))
+    return sweep

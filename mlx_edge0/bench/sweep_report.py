@@ -16,7 +16,7 @@ from typing import Optional, Union
 from .charts import Cell, grid_map
 from .report import Section, html_page, machine_line, markdown_page
 from .sweep import axis
-from .tables import GIB, MB, Table, arm_label, cell, ratio
+from .tables import GIB, MB, Table, arm_label, cell, rate_digits, ratio
 
 TITLE = "Benchmark sweep: memory cap × read throughput"
 MAP_TITLE = "Fastest arm per memory cap and read throughput (median decode tok/s)"
@@ -78,19 +78,25 @@ def _winner_cell(point: dict) -> str:
 
 
 def point_table(point: dict) -> Table:
-    """Every arm at one point, decode against the winner's."""
+    """Every arm at one point, decode against the winner's and llama.cpp's,
+    and against the read bound (the point's MB/s ÷ the arm's device MB a
+    token) as :func:`~mlx_edge0.bench.tables.regime_table` sets it."""
     best = next((a["decode_tok_s"]["median"] for a in point["arms"] if a["arm"] == point["winner"]), None)
-    rows = []
+    mbps, rows = point["read_mbps"], []
     for a in point["arms"]:
-        tok_s = a["decode_tok_s"]
+        tok_s, device = a["decode_tok_s"], a["device_bytes_per_token"]
+        bound = mbps * MB / device if mbps and device else None
         rows.append([
-            arm_label(a["arm"]), f"{a['ok']}/{a['runs']}", cell(tok_s, digits=3),
-            ratio(tok_s and tok_s["median"], best), str(a["oom"]),
-            "-" if a["device_bytes_per_token"] is None else f"{a['device_bytes_per_token'] / MB:.1f}",
+            arm_label(a["arm"]), f"{a['ok']}/{a['runs']}", cell(tok_s, digits=rate_digits(tok_s and tok_s["median"])),
+            ratio(tok_s and tok_s["median"], best), cell(a.get("decode_vs_llamacpp")), str(a["oom"]),
+            "-" if device is None else f"{device / MB:.1f}",
+            "-" if bound is None else f"{bound:.{rate_digits(bound)}f}", ratio(tok_s and tok_s["median"], bound),
+            cell(a.get("wait_share"), 0.01, 1, spread=False),
             cell(a["peak_memory"], GIB, spread=False), cell(a["cgroup_peak_bytes"], GIB, spread=False),
         ])  # fmt: skip
-    headers = ["arm", "ok/runs", "decode tok/s", "× best", "OOM kills", "device MB/token", "peak MLX GiB",
-               "cgroup peak GiB"]  # fmt: skip
+    headers = ["arm", "ok/runs", "decode tok/s", "× best", "× llama.cpp (per round)", "OOM kills", "device MB/token",
+               f"read bound tok/s ({mbps:g} ÷ MB)" if mbps else "read bound tok/s", "of the bound",
+               "exposed wait, % of the step", "peak MLX GiB", "cgroup peak GiB"]  # fmt: skip
     winner = point["winner"] or "none (no arm decoded without an OOM kill)"
     notes = [f"{a['arm']} failed: {a['error']} (stderr tail in {point['results']})"
              for a in point["arms"] if a["error"] and not a["oom"]]  # fmt: skip
