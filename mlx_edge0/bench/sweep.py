@@ -165,11 +165,16 @@ def winner(arms: list[dict]) -> Optional[str]:
     return max(fits, key=lambda a: a["decode_tok_s"]["median"])["arm"] if fits else None
 
 
+def point_arms(entries: dict, runs: list[dict], arms: Iterable[str], cache: str) -> list[dict]:
+    """Each of ``arms``' summary at a point (:func:`arm_summary`), in that
+    order, from :func:`summary.summarize`'s ``entries`` of ``runs``; an arm
+    with no entry there is left out."""
+    return [arm_summary(entries[f"{arm}/{cache}"], runs) for arm in arms if f"{arm}/{cache}" in entries]
+
+
 def point_record(bench: BenchOptions, results: dict) -> dict:
     """A point of ``sweep.json``: its regime, results file, arm summaries and winner."""
-    cache = bench.caches[0]
-    entries = results["summary"]["arms"]
-    arms = [arm_summary(entries[f"{arm}/{cache}"], results["runs"]) for arm in bench.arms]
+    arms = point_arms(results["summary"]["arms"], results["runs"], bench.arms, bench.caches[0])
     return {
         "memory_cap_gib": bench.regime.memory_cap_gib,
         "read_mbps": bench.regime.read_mbps,
@@ -253,14 +258,11 @@ def refresh_points(sweep: dict, out: Path) -> dict:
     Raises:
         ValueError: a point's file is not a bench run's results (names it).
     """
-    cache = sweep["options"]["cache"]
     for p in sweep["points"]:
         path = Path(out) / p["results"]
         if not path.is_file():
             continue
         runs, _ = load_run(path)
-        entries = summarize(runs)["arms"]
-        arms = [arm_summary(entries[f"{arm}/{cache}"], runs) for arm in sweep["options"]["arms"]
-                if f"{arm}/{cache}" in entries]  # fmt: skip
+        arms = point_arms(summarize(runs)["arms"], runs, sweep["options"]["arms"], sweep["options"]["cache"])
         p.update(arms=arms, winner=winner(arms))
     return sweep

@@ -16,7 +16,7 @@ from typing import Optional, Union
 from .charts import Cell, grid_map
 from .report import Section, html_page, machine_line, markdown_page
 from .sweep import axis
-from .tables import GIB, MB, Table, arm_label, cell, rate_digits, ratio
+from .tables import GIB, MB, Table, arm_label, cell, rate_digits, ratio, read_bound_cells
 
 TITLE = "Benchmark sweep: memory cap × read throughput"
 MAP_TITLE = "Fastest arm per memory cap and read throughput (median decode tok/s)"
@@ -85,12 +85,11 @@ def point_table(point: dict) -> Table:
     mbps, rows = point["read_mbps"], []
     for a in point["arms"]:
         tok_s, device = a["decode_tok_s"], a["device_bytes_per_token"]
-        bound = mbps * MB / device if mbps and device else None
+        med = tok_s and tok_s["median"]
         rows.append([
-            arm_label(a["arm"]), f"{a['ok']}/{a['runs']}", cell(tok_s, digits=rate_digits(tok_s and tok_s["median"])),
-            ratio(tok_s and tok_s["median"], best), cell(a.get("decode_vs_llamacpp")), str(a["oom"]),
-            "-" if device is None else f"{device / MB:.1f}",
-            "-" if bound is None else f"{bound:.{rate_digits(bound)}f}", ratio(tok_s and tok_s["median"], bound),
+            arm_label(a["arm"]), f"{a['ok']}/{a['runs']}", cell(tok_s, digits=rate_digits(med)),
+            ratio(med, best), cell(a.get("decode_vs_llamacpp")), str(a["oom"]),
+            "-" if device is None else f"{device / MB:.1f}", *read_bound_cells(med, device, mbps),
             cell(a.get("wait_share"), 0.01, 1, spread=False),
             cell(a["peak_memory"], GIB, spread=False), cell(a["cgroup_peak_bytes"], GIB, spread=False),
         ])  # fmt: skip

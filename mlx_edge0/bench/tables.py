@@ -174,6 +174,14 @@ def rate_digits(value: Optional[float]) -> int:
     return 3 if not value or value >= 0.1 else 2 - math.floor(math.log10(value))
 
 
+def read_bound_cells(tok_s: Optional[float], device_bytes: Optional[float], read_mbps: Optional[float]) -> list[str]:
+    """The tok/s the read throttle allows at ``device_bytes`` a token
+    (``read_mbps`` ÷ MB a token) and the share of it ``tok_s`` reaches; ``-``
+    where reads were not throttled or the bytes are unknown."""
+    bound = read_mbps * MB / device_bytes if read_mbps and device_bytes else None
+    return ["-" if bound is None else f"{bound:.{rate_digits(bound)}f}", ratio(tok_s, bound)]
+
+
 def regime_table(summary: dict, read_mbps: Optional[float] = None) -> Table:
     """Each arm against the disk and the peer (issue 19): the tok/s the read
     throttle allows at the arm's device bytes per token (``read_mbps`` ÷ MB a
@@ -183,13 +191,12 @@ def regime_table(summary: dict, read_mbps: Optional[float] = None) -> Table:
     rows = []
     for e in summary.get("arms", {}).values():
         tok_s, device = median(e, "decode_tok_s"), median(e, "device_bytes_per_token", "metrics")
-        bound = read_mbps * MB / device if read_mbps and device else None
         waited = stat(e, "wait_share", "metrics") is not None  # peers record no wait
         rows.append([
             arm_label(e["arm"]), e["cache"], cell(stat(e, "decode_tok_s"), digits=rate_digits(tok_s)),
             cell(stat(e, "decode_vs_llamacpp_paired")),
             cell(stat(e, "device_bytes_per_token", "metrics"), MB, 1, spread=False),
-            "-" if bound is None else f"{bound:.{rate_digits(bound)}f}", ratio(tok_s, bound),
+            *read_bound_cells(tok_s, device, read_mbps),
             cell(stat(e, "step_ms", "metrics"), digits=0, spread=False),
             cell(stat(e, "wait_share", "metrics"), 0.01, 1, spread=False),
             cell(stat(e, "step_other_ms", "metrics"), digits=0, spread=False) if waited else "-",
