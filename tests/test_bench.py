@@ -212,9 +212,10 @@ def test_window_arms_decode_the_prerouter_arms_tokens_in_fewer_staged_rows():
         for key in ("prerouted", "expert_loads", "staged_read"):
             assert sum(step[key] for step in steps) == run["decode_counters"][key]
         assert run["decode_counters"]["prerouted"] == 6 * 5  # every consumer of every decoded step
-        # a runtime step closes when the next opens, so the last is still open: its step_ms falls
-        # short of the decode's wall time and is not divided out per token
-        assert 0 < run["decode_counters"]["step_ms"] < 1e3 * sum(run["decode_step_s"])
+        # a runtime step closes when the next opens, so the last is still open, and the first
+        # opened while the last warm-up step computed, before the decode's clock started: its
+        # step_ms spans other times than the decode's wall time and is not divided out per token
+        assert run["decode_counters"]["step_ms"] > 0
         assert "step_ms" not in run["counters_per_token"]
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from .arms import PEER_ARMS, is_peer_arm, parse_arm
+from .decode_loop import pipelined_steps
 
 DTYPES = ("float32", "bfloat16", "float16", "native")
 WARMUP_STEPS = 2
@@ -236,10 +237,11 @@ def measure(spec: RunSpec) -> dict:
     onto the same experts); ``tokens`` are each step's argmax, comparable
     position by position across arms.
 
-    The timed steps run as mlx-lm's ``generate_step`` runs them: step t+1's
-    graph is built and queued (``async_eval``) before step t's token is read
-    back, so the host's work for t+1 (a prerouted step's fills start when it
-    opens) overlaps step t's compute. The fed token is made to depend on
+    The warm-up and timed steps run as mlx-lm's ``generate_step`` runs them
+    (:func:`~.decode_loop.pipelined_steps`): step t+1's graph is built and
+    queued (``async_eval``) before step t's token is read back, the first
+    timed step's before the last warm-up token, so the host's work for t+1
+    (a prerouted step's fills start when it opens) overlaps step t's compute. The fed token is made to depend on
     step t's output (``mx.depends``), so step t+1 waits for step t's token
     exactly as a sampled one would."""
     if is_peer_arm(spec.arm):
@@ -295,57 +297,54 @@ def measure(spec: RunSpec) -> dict:
         fed_token = mx.depends(mx.array([[next(feed)]], mx.int32), y)
         return mx.argmax(model(fed_token, cache=cache)[:, -1, :], axis=-1)
 
-    for _ in range(WARMUP_STEPS):
-        y = forward(y)
-        tokens.append(y.item())
-    record["prefill_peak_memory"] = mx.get_peak_memory()
-
     evict = checkpoint_files(spec.path) if spec.evict_between_steps else []
     profile = cProfile.Profile() if spec.profile else None
-    _reset_counters(model)  # also resets MLX's peak: the decode peak is decode's alone
-    mx.reset_peak_memory()
-    steps, per_step, before = [], [], _counters(model)
     telemetry = model.edge0_runtime.telemetry if hasattr(model, "edge0_runtime") else None
     routed_steps: list[list[tuple[int, list[int]]]] = []
     hot = model.edge0_runtime.hot if hasattr(model, "edge0_runtime") else None
-    resident_at_start = [] if hot is None else list(hot.row_of)  # filled by the prompt and warm-up
-    if hot is not None:
-        record["held_at_decode_start"] = len(hot.held)  # released to the policy since: held_released
-    device_before = device_read_bytes()
+    start: dict = {}
 
-    def queue(y: mx.array) -> mx.array:
+    def begin_timed() -> None:
+        """What the timed steps count starts here, before the first is queued."""
+        record["prefill_peak_memory"] = mx.get_peak_memory()
+        _reset_counters(model)  # also resets MLX's peak: the decode peak is decode's alone
+        mx.reset_peak_memory()
+        start["counters"] = _counters(model)
+        start["resident"] = [] if hot is None else list(hot.row_of)  # filled by the prompt and warm-up
+        if hot is not None:
+            record["held_at_decode_start"] = len(hot.held)  # released to the policy since: held_released
+        start["device"] = device_read_bytes()
+        if profile:
+            profile.enable()
+
+    def queue(y: mx.array, timed: bool) -> mx.array:
         """Build the next step's graph after ``y`` and start computing it."""
-        if telemetry is not None:  # the host routes a step while building it
+        if timed and telemetry is not None:  # the host routes a step while building it
             telemetry.routing_trace = []
             routed_steps.append(telemetry.routing_trace)
-        if evict:
+        if timed and evict:
             drop_page_cache(evict)
         queued = forward(y)
         mx.async_eval(queued)
         return queued
 
-    if profile:
-        profile.enable()
-    t0 = time.perf_counter()
-    queued = queue(y)
-    for i in range(spec.decode_tokens):
-        y = queued
-        if i + 1 < spec.decode_tokens:
-            queued = queue(y)  # as generate_step: the next step before this token
-        tokens.append(y.item())
+    steps, per_step, t0 = [], [], time.perf_counter()
+    for i, token in pipelined_steps(y, queue, WARMUP_STEPS, spec.decode_tokens, begin_timed):
+        tokens.append(token)
         now = time.perf_counter()
-        steps.append(now - t0)
+        if i >= WARMUP_STEPS:
+            steps.append(now - t0)
+            before, after = start["counters"], _counters(model)
+            if after is not None:
+                per_step.append({k: after.get(k, 0) - before.get(k, 0) for k in STEP_COUNTERS})
+            start["counters"] = after  # the next step's counts start here
         t0 = now
-        after = _counters(model)
-        if after is not None:
-            per_step.append({k: after.get(k, 0) - before.get(k, 0) for k in STEP_COUNTERS})
-        before = after
     if profile:
         profile.disable()
     if telemetry is not None:
         telemetry.routing_trace = None
     record["decode_peak_memory"] = mx.get_peak_memory()
-    record["device_bytes_per_token"] = (device_read_bytes() - device_before) / spec.decode_tokens
+    record["device_bytes_per_token"] = (device_read_bytes() - start["device"]) / spec.decode_tokens
     decode_counters = _counters(model)
     if telemetry is not None:
         from .locality import LocalitySummary
@@ -358,7 +357,7 @@ def measure(spec: RunSpec) -> dict:
         record["routing"] = trace.as_dict()  # RoutingTrace(**routing): replay any policy later
         if hot is not None:
             record["eviction_replay"] = _eviction_replay(
-                trace, hot.capacity, frozenset(hot.permanent), resident_at_start
+                trace, hot.capacity, frozenset(hot.permanent), start["resident"]
             )
 
     decode_s = sum(steps)
