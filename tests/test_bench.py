@@ -166,7 +166,9 @@ def test_runner_child_measures_stock_arm(small_ckpts):
     assert r["logits_finite"] and len(r["tokens"]) == 1 + 2 + 4
     # teacher-forced: it was fed the peer arm's fixed sequence, not its own picks
     vocab = json.loads((spec.path / "config.json").read_text())["vocab_size"]
-    assert r["teacher_forced"] and r["fed_tokens"] == forced_tokens(vocab, 2 + 4, spec.seed)
+    # (one more than it read back: the step queued after the last timed token, as generate_step's)
+    assert r["teacher_forced"] and r["fed_tokens"] == forced_tokens(vocab, 2 + 4 + 1, spec.seed)
+    assert r["fed_tokens"][:-1] == forced_tokens(vocab, 2 + 4, spec.seed)  # the peer arm's, token for token
     assert r["fed_tokens"] != r["tokens"][:-1]
 
 

@@ -1,5 +1,7 @@
 """The bench's decode loop queues each step before it reads the one before back."""
 
+import pytest
+
 from mlx_edge0.bench.decode_loop import pipelined_steps
 
 
@@ -25,17 +27,18 @@ def run(warmup: int, timed: int) -> tuple[list, list]:
     return log, yielded
 
 
-def test_the_first_timed_step_is_queued_before_the_last_warm_up_token_is_read():
+def test_each_token_is_read_back_after_the_next_step_is_queued_and_the_window_holds_n_builds():
     log, yielded = run(2, 3)
     assert log == [
-        "queue 0", "queue 1", "read 0",
-        "begin", "queue 2 timed", "read 1",
-        "queue 3 timed", "read 2", "queue 4 timed", "read 3", "read 4",
+        "queue 0", "queue 1", "read 0", "queue 2",
+        "begin", "read 1",  # the window opens: steps 0-2 built, the last warm-up token not read yet
+        "queue 3 timed", "read 2", "queue 4 timed", "read 3", "queue 5 timed", "read 4",
+        "read 5",  # the step queued after the last timed token, read after the last yield
     ]  # fmt: skip
     assert yielded == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
 
 
-def test_no_warm_up_begins_before_the_first_step_and_no_timed_step_after_the_warm_up():
-    assert run(0, 2)[0] == ["begin", "queue 0 timed", "queue 1 timed", "read 0", "read 1"]
-    assert run(2, 0)[0] == ["queue 0", "queue 1", "read 0", "begin", "read 1"]
-    assert run(0, 0) == ([], [])
+def test_no_timed_step_leaves_nothing_queued_and_the_window_needs_a_warm_up_step():
+    assert run(2, 0) == (["queue 0", "queue 1", "read 0", "begin", "read 1"], [(0, 0), (1, 1)])
+    with pytest.raises(ValueError, match="warmup must be at least 1"):
+        run(0, 2)

@@ -239,9 +239,11 @@ def measure(spec: RunSpec) -> dict:
 
     The warm-up and timed steps run as mlx-lm's ``generate_step`` runs them
     (:func:`~.decode_loop.pipelined_steps`): step t+1's graph is built and
-    queued (``async_eval``) before step t's token is read back, the first
-    timed step's before the last warm-up token, so the host's work for t+1
-    (a prerouted step's fills start when it opens) overlaps step t's compute. The fed token is made to depend on
+    queued (``async_eval``) before step t's token is read back, so the
+    host's work for t+1 (a prerouted step's fills start when it opens)
+    overlaps step t's compute; the timed window runs from the last warm-up
+    token's read-back to the last timed token's, and its counters, device
+    bytes and routing cover the N steps built in it. The fed token is made to depend on
     step t's output (``mx.depends``), so step t+1 waits for step t's token
     exactly as a sampled one would."""
     if is_peer_arm(spec.arm):
@@ -289,7 +291,8 @@ def measure(spec: RunSpec) -> dict:
     )
     record["prefill_counters"] = _counters(model)
     tokens = [y.item()]
-    fed = forced_tokens(vocab, WARMUP_STEPS + spec.decode_tokens, spec.seed)
+    # one step more than read back: the one queued after the last timed token
+    fed = forced_tokens(vocab, WARMUP_STEPS + spec.decode_tokens + 1, spec.seed)
     feed = iter(fed)
 
     def forward(y: mx.array) -> mx.array:
@@ -305,7 +308,7 @@ def measure(spec: RunSpec) -> dict:
     start: dict = {}
 
     def begin_timed() -> None:
-        """What the timed steps count starts here, before the first is queued."""
+        """What the timed window counts starts here, as it opens."""
         record["prefill_peak_memory"] = mx.get_peak_memory()
         _reset_counters(model)  # also resets MLX's peak: the decode peak is decode's alone
         mx.reset_peak_memory()
@@ -317,12 +320,12 @@ def measure(spec: RunSpec) -> dict:
         if profile:
             profile.enable()
 
-    def queue(y: mx.array, timed: bool) -> mx.array:
+    def queue(y: mx.array, in_window: bool) -> mx.array:
         """Build the next step's graph after ``y`` and start computing it."""
-        if timed and telemetry is not None:  # the host routes a step while building it
+        if in_window and telemetry is not None:  # the host routes a step while building it
             telemetry.routing_trace = []
             routed_steps.append(telemetry.routing_trace)
-        if timed and evict:
+        if in_window and evict:
             drop_page_cache(evict)
         queued = forward(y)
         mx.async_eval(queued)
@@ -332,12 +335,12 @@ def measure(spec: RunSpec) -> dict:
     for i, token in pipelined_steps(y, queue, WARMUP_STEPS, spec.decode_tokens, begin_timed):
         tokens.append(token)
         now = time.perf_counter()
-        if i >= WARMUP_STEPS:
+        if i >= WARMUP_STEPS:  # the interval holds the next step's build
             steps.append(now - t0)
             before, after = start["counters"], _counters(model)
             if after is not None:
                 per_step.append({k: after.get(k, 0) - before.get(k, 0) for k in STEP_COUNTERS})
-            start["counters"] = after  # the next step's counts start here
+            start["counters"] = after
         t0 = now
     if profile:
         profile.disable()
