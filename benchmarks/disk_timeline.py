@@ -7,8 +7,9 @@ forward opens (``Telemetry.begin_step``, at its first MoE layer, in every
 arm) and how long a prerouter arm's ``Prerouting.begin_forward`` took.
 
 Prints, per forward (0 is the prompt, then the warm-up steps, then the
-decoded ones and the one the bench queues after the last), its length, the share of it the disk was busy (the union of
-the reads in flight) and its idle gaps longer than 20 ms, and the busy share
+decoded ones and the one the bench queues after the last), its length, the
+share of it the disk was busy (the union of the reads in flight) and its
+idle gaps longer than 20 ms, and the busy share
 over the decoded steps, and how long the disk idled at each decoded
 forward's start (to its first read) and end (after its last read: the last
 MoE layer's compute, the lm_head, the next token's first layers); writes

@@ -243,9 +243,9 @@ def measure(spec: RunSpec) -> dict:
     host's work for t+1 (a prerouted step's fills start when it opens)
     overlaps step t's compute; the timed window runs from the last warm-up
     token's read-back to the last timed token's, and its counters, device
-    bytes and routing cover the N steps built in it. The fed token is made to depend on
-    step t's output (``mx.depends``), so step t+1 waits for step t's token
-    exactly as a sampled one would."""
+    bytes and routing cover the N steps built in it. The fed token is made
+    to depend on step t's output (``mx.depends``), so step t+1 waits for step
+    t's token exactly as a sampled one would."""
     if is_peer_arm(spec.arm):
         return measure_llamacpp(spec)
     import mlx.core as mx
