@@ -216,15 +216,19 @@ class Options:
         if self.prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {self.prefill!r}")
 
-    def cache_bytes(self, expert_bytes: int, sharers: int = 1, committed: int = 0) -> int:
+    def cache_bytes(
+        self, expert_bytes: int, sharers: int = 1, committed: int = 0, available: Optional[int] = None
+    ) -> int:
         """The hot-cache budget for a model whose experts total ``expert_bytes``
         (a rank's share of them), when ``sharers`` processes of one model
         share this machine's memory (ranks of a group on one host): "auto"
         splits the memory term between them. ``committed``: bytes the process
         will hold besides the cache (resident weights, heads, staging, the
-        prompt's buffer), which a bypassing "auto" budget leaves room for."""
+        prompt's buffer), which a bypassing "auto" budget leaves room for.
+        ``available``: the memory available before any of ``committed`` was
+        allocated (default: measured now), so that none is counted twice."""
         if self.cache_gib == "auto":
-            memory = available_memory() / max(1, sharers)
+            memory = (available_memory() if available is None else available) / max(1, sharers)
             if self.page_cache == "bypass":
                 return int(min(AUTO_BYPASS_MEMORY_SHARE * max(0, memory - committed), expert_bytes))
             return int(min(AUTO_CACHE_MEMORY_SHARE * memory, AUTO_CACHE_EXPERT_SHARE * expert_bytes))

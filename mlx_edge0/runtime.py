@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from .checkpoint import RESIDENT_FILE, Edge0Section
 from .hot import HotCache, hot_capacity, kept_fits, permanent_fits
+from .memory import available_memory
 from .options import MIN_STAGED_WINDOW, Options
 from .parallel import ExpertShard
 from .paths import ExactPath, HotPath, NextLayerRouting, StagedPath, WholeLayerPath
@@ -66,6 +67,10 @@ class StreamingRuntime:
             memory_sharers: processes of this model on this machine (ranks
                 of a group on one host), which split the "auto" cache budget.
         """
+        # Taken before this runtime holds anything: the heads and staging buffers are
+        # allocated before the hot cache is sized, and the "auto" budget counts them
+        # as committed; measured after, they would be counted twice.
+        available = available_memory() if options.cache_gib == "auto" else None
         self.options = options
         self.section = section
         self.shard = shard
@@ -133,14 +138,13 @@ class StreamingRuntime:
         row_bytes = SlotBuffers.row_nbytes(g, pool_dtype)
         committed = (
             (checkpoint_dir / RESIDENT_FILE).stat().st_size  # resident weights, loaded after this
-            + self.heads_nbytes()
+            + (self.heads_nbytes() if consumer_of else 0)  # unused heads are never read
             + self.staged_nbytes(largest=True)
             + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
         )
         total_experts = self.experts_per_layer * len(layers)
-        capacity = hot_capacity(
-            options.cache_bytes(g.bundle_bytes * total_experts, memory_sharers, committed), row_bytes, total_experts
-        )
+        budget = options.cache_bytes(g.bundle_bytes * total_experts, memory_sharers, committed, available)
+        capacity = hot_capacity(budget, row_bytes, total_experts)
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
         # and the compute waits for its misses: its experts are read into the hot cache once,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from typing import Callable
 
@@ -12,8 +13,9 @@ from mlx.utils import tree_flatten
 from click.testing import CliRunner
 
 import mlx_edge0
-from mlx_edge0.checkpoint import CheckpointError
+from mlx_edge0.checkpoint import RESIDENT_FILE, CheckpointError
 from mlx_edge0.cli import main
+from mlx_edge0.options import AUTO_BYPASS_MEMORY_SHARE
 from mlx_edge0.prerouter_heads import PREROUTER_FILE, PrerouterHead, PrerouterSpec, init_heads, save_heads, topk_onehot
 from mlx_edge0.streaming import StreamingMoE
 from mlx_edge0.tensorfile import read_header
@@ -223,6 +225,31 @@ def test_the_layer_no_owner_predicts_stays_in_the_hot_cache(with_heads, family):
     assert smaller.held_layers == smaller.permanent_layers == [] and smaller.hot.row_of == {}
     off = mlx_edge0.load_model(path, cache_gib=1.0, prerouter=False).edge0_runtime
     assert off.permanent_layers == [] and off.hot.row_of == {}  # every layer routes with its gate
+
+
+def test_auto_budget_counts_the_heads_and_staging_once(with_heads, monkeypatch):
+    """With the page cache bypassed, "auto" sizes the hot cache against the
+    memory available before the runtime held its heads and staging buffers,
+    which it counts as committed: a headroom read after they are allocated
+    would count them twice. Heads the prerouter does not use are never read,
+    so they are not counted."""
+    path = with_heads("qwen3_moe")
+    probe = mlx_edge0.load_model(path, cache_gib=0).edge0_runtime
+    n, row = probe.experts_per_layer, SlotBuffers.row_nbytes(probe.store.geometry, probe.pool_dtype)
+    rows = n * len(probe.store.layers)
+    resident, prompt_buffer = (path / RESIDENT_FILE).stat().st_size, n * row
+    heads, staged = probe.heads_nbytes(), probe.staged_nbytes(largest=True)
+    assert heads > 0 and staged > 0
+    room = math.ceil((rows // 2 + 0.5) * row / AUTO_BYPASS_MEMORY_SHARE)  # buys half of every expert's rows
+    for prerouter, committed in ((True, resident + heads + staged + prompt_buffer), (False, resident + prompt_buffer)):
+        start = mx.get_active_memory()
+        # A headroom that falls by what MLX allocates from here on, as a cgroup's does.
+        headroom = lambda: committed + room - (mx.get_active_memory() - start)  # noqa: E731
+        monkeypatch.setattr("mlx_edge0.runtime.available_memory", headroom)
+        monkeypatch.setattr("mlx_edge0.options.available_memory", headroom)
+        rt = mlx_edge0.load_model(path, page_cache="bypass", prerouter=prerouter).edge0_runtime
+        assert mx.get_active_memory() - start >= (heads + staged if prerouter else 0)  # held before the budget
+        assert rt.hot.capacity == rows // 2, prerouter
 
 
 @pytest.mark.parametrize("family", FAMILIES)
