@@ -220,7 +220,7 @@ class Options:
         self, expert_bytes: int, sharers: int = 1, committed: int = 0, available: Optional[int] = None
     ) -> int:
         """The hot-cache budget for a model whose experts total ``expert_bytes``
-        (a rank's share of them), when ``sharers`` processes of one model
+        as the cache holds them (a rank's share of them), when ``sharers`` processes of one model
         share this machine's memory (ranks of a group on one host): "auto"
         splits the memory term between them. ``committed``: bytes the process
         will hold besides the cache (resident weights, heads, staging, the

@@ -143,7 +143,8 @@ class StreamingRuntime:
             + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
         )
         total_experts = self.experts_per_layer * len(layers)
-        budget = options.cache_bytes(g.bundle_bytes * total_experts, memory_sharers, committed, available)
+        # Every expert as the cache holds it (its rows' scales in the pool's dtype).
+        budget = options.cache_bytes(row_bytes * total_experts, memory_sharers, committed, available)
         capacity = hot_capacity(budget, row_bytes, total_experts)
         self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate

@@ -250,6 +250,9 @@ def test_auto_budget_counts_the_heads_and_staging_once(with_heads, monkeypatch):
         rt = mlx_edge0.load_model(path, page_cache="bypass", prerouter=prerouter).edge0_runtime
         assert mx.get_active_memory() - start >= (heads + staged if prerouter else 0)  # held before the budget
         assert rt.hot.capacity == rows // 2, prerouter
+    # With room for more, every expert: the cap is their size in rows (float32 scales on the CPU).
+    monkeypatch.setattr("mlx_edge0.runtime.available_memory", lambda: resident + prompt_buffer + 2 * rows * row)
+    assert mlx_edge0.load_model(path, page_cache="bypass", prerouter=False).edge0_runtime.hot.capacity == rows
 
 
 @pytest.mark.parametrize("family", FAMILIES)
