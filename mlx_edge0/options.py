@@ -220,13 +220,14 @@ class Options:
         self, expert_bytes: int, sharers: int = 1, committed: int = 0, available: Optional[int] = None
     ) -> int:
         """The hot-cache budget for a model whose experts total ``expert_bytes``
-        as the cache holds them (a rank's share of them), when ``sharers`` processes of one model
-        share this machine's memory (ranks of a group on one host): "auto"
-        splits the memory term between them. ``committed``: bytes the process
-        will hold besides the cache (resident weights, heads, staging, the
-        prompt's buffer), which a bypassing "auto" budget leaves room for.
-        ``available``: the memory available before any of ``committed`` was
-        allocated (default: measured now), so that none is counted twice."""
+        as the cache holds them (a rank's share of them), when ``sharers``
+        processes of one model share this machine's memory (ranks of a group
+        on one host): "auto" splits the memory term between them.
+        ``committed``: bytes the process will hold besides the cache (resident
+        weights, heads, staging, the prompt's buffer), which a bypassing "auto"
+        budget leaves room for. ``available``: the memory available before any
+        of ``committed`` was allocated (default: measured now), so that none
+        is counted twice."""
         if self.cache_gib == "auto":
             memory = (available_memory() if available is None else available) / max(1, sharers)
             if self.page_cache == "bypass":
