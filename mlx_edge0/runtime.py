@@ -138,7 +138,7 @@ class StreamingRuntime:
         row_bytes = SlotBuffers.row_nbytes(g, pool_dtype)
         committed = (
             (checkpoint_dir / RESIDENT_FILE).stat().st_size  # resident weights, loaded after this
-            + (self.heads_nbytes() if consumer_of else 0)  # unused heads are never read
+            + self.heads_nbytes()
             + self.staged_nbytes(largest=True)
             + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
         )
@@ -302,6 +302,9 @@ class StreamingRuntime:
         return StagingBuffer(self.store, -1, self.window_slots, self.pool_dtype)
 
     def heads_nbytes(self) -> int:
+        """Bytes of the heads the prerouter uses; none with it off, where they are never read."""
+        if not self.consumer_of:
+            return 0
         return sum(v.nbytes for h in self.heads.values() for _, v in tree_flatten(h.parameters()))
 
     def staged_nbytes(self, *, largest: bool = False) -> int:
@@ -317,7 +320,7 @@ class StreamingRuntime:
             "hot": self.hot.nbytes if self.hot else 0,
             "staged": self.staged_nbytes(),
             "exact": self.exact.scratch.nbytes if self.exact.scratch else 0,
-            "prerouter_heads": self.heads_nbytes() if self.prerouting is not None else 0,
+            "prerouter_heads": self.heads_nbytes(),
         }
 
     def stats(self) -> dict:
