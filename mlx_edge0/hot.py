@@ -17,6 +17,12 @@ victim; held ones (:meth:`HotCache.add_held`: those layers where their share is 
 a victim until the cache first has to evict, then the policy ranks them as any other. A prompt
 read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_experts`),
 copied from the rows it read, so the decode that follows starts from them.
+A prerouted decode step's layers compute from the rows too: when the step
+opens, each planned layer's experts are placed (:meth:`HotCache.start_planned`:
+hits where they are, misses read into free rows or victims in the
+background) and pinned, out of every victim choice, until that layer's call
+computes from them (:meth:`HotCache.finish_planned`); so each expert is held
+once, and a hit costs no copy.
 With ``lookahead`` the hot path reads the next layer's likely experts in
 ahead of its call (:meth:`HotCache.start_prefetch`), one at a time, surest
 first; when that layer routes, the reads not started are dropped and what
@@ -121,6 +127,7 @@ class FrequencyPolicy(LRUPolicy):
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
 PERMANENT_SHARE = 8  # permanent bundles take at most 1/8 of the rows (permanent_fits)
 KEPT_SHARE = 2  # permanent and held bundles together take at most 1/2 of the rows (kept_fits)
+PINNED_SHARE = 2  # a step's planned bundles take at most 1/2 of the other rows (planned_fits)
 
 
 def plan_fill(
@@ -161,6 +168,14 @@ def kept_fits(rows: int, capacity: int) -> bool:
     return rows <= capacity // KEPT_SHARE
 
 
+def planned_fits(rows: int, capacity: int, kept: int) -> bool:
+    """Whether a decode step's planned bundles, ``rows`` of them, pinned until
+    their layers compute, leave a cache of ``capacity`` rows, ``kept`` of them
+    permanent or held, enough to route the other layers through: at most
+    ``1 / PINNED_SHARE`` of the rest."""
+    return rows <= (capacity - kept) // PINNED_SHARE
+
+
 def hot_capacity(budget_bytes: int, row_bytes: int, total_experts: int) -> int:
     """Rows a byte budget buys: never more than there are expert bundles to
     hold, so a generous budget on a small checkpoint allocates the experts'
@@ -182,16 +197,22 @@ class HotCache:
         self.held: set[Key] = set()  # out of the victim choice until the cache first evicts
         self.ahead: dict[Key, Guess] = {}  # bundles read ahead whose reads have not landed
         self.read_ahead: set[Key] = set()  # read ahead and landed, for a call still to come
+        self.pinned: set[Key] = set()  # planned for a call of this step (start_planned)
 
     @property
     def nbytes(self) -> int:
         return self.buffers.nbytes
 
     def _unevictable(self) -> set[Key]:
-        """Permanent and held bundles, and those whose prefetch reads may still be writing."""
-        if not (self.held or self.ahead):
+        """Permanent, held and pinned bundles, and those whose prefetch reads may still be writing."""
+        if not (self.held or self.ahead or self.pinned):
             return self.permanent  # no copy per decode call
-        return self.permanent | self.held | self.ahead.keys()
+        return self.permanent | self.held | self.pinned | self.ahead.keys()
+
+    def open_forward(self) -> None:
+        """A forward opens: the rows stop keeping computations two forwards old
+        (:meth:`SlotBuffers.open_forward`)."""
+        self.buffers.open_forward()
 
     def _release_held(self, arriving: int) -> None:
         """Hand the held bundles to the policy once ``arriving`` new bundles
@@ -320,10 +341,13 @@ class HotCache:
         """Rows for experts ``ids`` of ``layer``, the misses' reads started
         and not waited for (:meth:`finish_fetch` waits), so the caller can
         compute from the hits while they land; None when the set does not fit
-        the cache. Nothing else may use the cache until :meth:`finish_fetch`."""
+        the cache, or beside the bundles this step's planned calls pin.
+        Nothing else may use the cache until :meth:`finish_fetch`."""
         if len(ids) > self.capacity:
             return None
         keys = [(layer, int(e)) for e in ids]
+        if self.pinned and len(keys) > self.capacity - len(self._unevictable().difference(keys)):
+            return None
         stats = self.store.telemetry.current
         placed = self._make_room(keys)
         read_ahead = len(self.read_ahead.intersection(keys))
@@ -354,6 +378,49 @@ class HotCache:
                 raise
         self.row_of.update(pending.placed)
         self.policy.touch(pending.keys)
+
+    def start_planned(self, layer: int, ids: Sequence[int]) -> Optional["PendingFetch"]:
+        """Rows for experts ``ids`` of a prerouted ``layer`` whose call is
+        planned this step (its routing decided when the step opens), the
+        misses' reads started in the background, behind any urgent read. The
+        bundles stay pinned, out of every victim choice, until
+        :meth:`finish_planned` (the call computes from them) or
+        :meth:`drop_planned`; the step's other calls place their misses around
+        them. None when the step's pinned bundles would not leave the other
+        calls enough rows (:func:`planned_fits`): the call then reads on demand."""
+        keys = [(layer, int(e)) for e in ids]
+        if not planned_fits(len(self.pinned) + len(keys), self.capacity, len(self.permanent | self.held)):
+            return None
+        stats = self.store.telemetry.current
+        placed = self._make_room(keys)
+        stats.hot_hits += len(keys) - len(placed)
+        stats.hot_misses += len(placed)
+        misses = list(placed)
+        try:
+            reads = self.store.submit(layer, [e for _, e in misses], [placed[k] for k in misses], self.buffers)
+        except BaseException:
+            self.free.extend(placed.values())
+            raise
+        self.pinned.update(keys)
+        rows = np.array([placed[k] if k in placed else self.row_of[k] for k in keys], dtype=np.int64)
+        return PendingFetch(keys, placed, reads, rows)
+
+    def finish_planned(self, pending: "PendingFetch") -> None:
+        """After the reads of :meth:`start_planned` landed (the caller waited
+        on ``pending.reads``): its experts are resident and unpinned, their
+        use counted. The call's computation from the rows must be recorded
+        next (:meth:`SlotBuffers.compute` with their ``rows``) so that no
+        write changes them before it is evaluated."""
+        self.pinned.difference_update(pending.keys)
+        self.finish_fetch(pending)
+
+    def drop_planned(self, pending: "PendingFetch") -> None:
+        """A planned call that will not compute (its forward raised, or a read
+        failed): once no read writes its rows any more, the misses' rows are
+        free (what they hold is not known to be whole) and its bundles unpinned."""
+        pending.reads.settle()
+        self.pinned.difference_update(pending.keys)
+        self.free.extend(pending.placed.values())
 
     def start_prefetch(self, layer: int, ids: Sequence[int], keep: AbstractSet[Key] = frozenset()) -> int:
         """Queue reads of experts ``ids`` of ``layer`` (surest first) that are

@@ -178,9 +178,12 @@ class HotPath:
         if pending is None:  # the routed set is larger than the whole cache
             return self.exact.from_union(layer, x, inds, union)
         rows, missed = pending.rows[local], pending.missed[local]
+        # A decode call names its rows, so writes into other rows need not wait
+        # for it; a chunk's larger output is kept only until the next write.
+        named = rows if x.shape[1] == 1 else None
         if local.size != local.shape[-1] or missed.all() or not missed.any():
             self.hot.finish_fetch(pending)
-            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype)
+            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype, named)
         # One token, some of its experts resident: compute those while the
         # others are read, so the disk and the compute work at once. Each
         # expert's output is the same product either way; they are put back in
@@ -190,7 +193,7 @@ class HotPath:
 
         def compute(picked: np.ndarray) -> mx.array:
             picked_rows = mx.array(flat[picked].astype(np.uint32)).reshape(*lead, -1)
-            return self.hot.buffers.compute(x, picked_rows, self.compute_dtype)
+            return self.hot.buffers.compute(x, picked_rows, self.compute_dtype, flat[picked])
 
         hits, misses = np.flatnonzero(~missed.ravel()), np.flatnonzero(missed.ravel())
         try:

@@ -12,9 +12,15 @@ t still computes its last layers and its LM head, so a read-bound disk does
 not idle between steps. The consumer layer later waits only for its own
 reads and computes with those indices and weights: the staged set is the
 routed set, so nothing is dropped and nothing falls back (telemetry counts
-``prerouted`` layer calls). Fills copy what the hot cache holds and read the
-rest; once those reads land the cache keeps copies (``HotCache.admit``), so
-the prerouted layers' experts are cached like every other layer's.
+``prerouted`` layer calls). With a hot cache and no window, a fill is the
+cache's: hits stay in their rows, misses are read into rows of it, all
+pinned until the layer computes from them (``HotCache.start_planned``), so
+each expert is held once and the rows a staging buffer would take are the
+cache's; a plan the cache has no room to pin routes on demand through
+the hot path (``fallback``), with the same indices. Otherwise a fill stages
+into a buffer: it copies what the hot cache holds and reads the rest; once
+those reads land the cache keeps copies (``HotCache.admit``), so the
+prerouted layers' experts are cached like every other layer's.
 
 Per-sequence state (each owner's last one-hot, its prediction, whether that
 prediction is valid, and the prediction routed) lives in one extra ``ArraysCache`` appended to the
@@ -61,13 +67,15 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from .hot import HotCache
+from .hot import HotCache, PendingFetch
 from .options import MIN_STAGED_WINDOW
 from .prerouter_heads import PrerouterHead, topk_onehot
 from .staging import Fill, StagingBuffer
 from .telemetry import Telemetry
 
 Route = Callable[[mx.array], tuple[mx.array, mx.array]]  # logits [B, L, E] -> inds, scores [B, L, K]
+# (layer, x, inds, (sorted unique experts, each index's position among them)) -> experts' outputs
+OnDemand = Callable[[int, mx.array, mx.array, tuple[np.ndarray, np.ndarray]], mx.array]
 
 # one-hot at the last token, predicted logits, valid, and the prediction routed
 # (indices, scores): routed in the owner's layer, so the next step can start
@@ -132,6 +140,8 @@ class Plan:
     ids: np.ndarray  # the unique routed experts over the batch this process computes (== the staged set)
     fill: Optional[Fill] = None  # None: its fill has not started (a window)
     buffer: Optional[StagingBuffer] = None  # the staging buffer it fills
+    cached: Optional[PendingFetch] = None  # its rows in the hot cache, pinned (a fill of the cache's)
+    on_demand: bool = False  # the cache had no room to pin it: read when the layer computes
 
 
 class Prerouting:
@@ -150,6 +160,7 @@ class Prerouting:
         compute_dtype: Optional[mx.Dtype],
         num_experts: int,
         local: Callable[[np.ndarray], np.ndarray] = lambda ids: ids,
+        fallback: Optional[OnDemand] = None,
     ):
         """
         Args:
@@ -162,6 +173,9 @@ class Prerouting:
                 buffers), and grown only by :meth:`add_window_buffer`.
             local: the experts of a routed set this process computes (an
                 expert-parallel rank's own; default all): only those are staged.
+            fallback: with ``hot`` and neither ``buffers`` nor ``window``
+                (fills are the cache's), what computes a plan the cache had
+                no room to pin: the hot path, reading on demand.
         """
         self.heads = heads
         self.consumer_of = consumer_of
@@ -173,6 +187,9 @@ class Prerouting:
         self.compute_dtype = compute_dtype
         self.num_experts = num_experts
         self.local = local
+        self.fallback = fallback
+        self.in_cache = hot is not None and not buffers and not window
+        assert not self.in_cache or fallback is not None, "fills of the cache's need a fallback"
         self.owners = sorted(consumer_of)
         self.owner_of = {c: o for o, c in consumer_of.items()}
         self.state: Optional[ArraysCache] = None
@@ -215,9 +232,10 @@ class Prerouting:
         self.partial.clear()
         self.unqueued.clear()
 
-    @staticmethod
-    def _drop(plan: Plan) -> None:
-        if plan.fill is not None:
+    def _drop(self, plan: Plan) -> None:
+        if plan.cached is not None:
+            self.hot.drop_planned(plan.cached)
+        elif plan.fill is not None:
             plan.fill.reads.settle()
             plan.buffer.invalidate()
 
@@ -264,9 +282,19 @@ class Prerouting:
         started, taken or out of range)."""
         if rank is None or rank >= len(self.order) or (plan := self.planned.get(self.order[rank])) is None:
             return None
-        if plan.fill is not None:
+        if plan.fill is not None or plan.on_demand:
             return plan
         consumer = self.order[rank]
+        if self.in_cache:
+            cached = self.hot.start_planned(consumer, plan.ids)
+            if cached is None:
+                plan = replace(plan, on_demand=True)
+            else:
+                table = np.zeros(self.num_experts, np.int32)
+                table[plan.ids] = cached.rows
+                plan = replace(plan, fill=Fill(mx.array(table), cached.reads), cached=cached)
+            self.planned[consumer] = plan
+            return plan
         if self.window:
             index = window_buffer(rank, len(self.window))
             buffer = self.window[index]
@@ -307,25 +335,32 @@ class Prerouting:
 
     def experts(self, layer: int, x: mx.array, inds: mx.array, plan: Plan) -> mx.array:
         """Compute a prerouted layer's experts ``inds`` (the plan's, or this
-        process's share of them) from its staging buffer, waiting only for
-        its reads."""
-        buffer = plan.buffer
+        process's share of them) from its fill (the hot cache's rows or its
+        staging buffer), waiting only for its reads."""
         # the compute thread runs everything up to here while the reads land; the routed
         # predictions made since are queued with it, so the next step can wait for each alone
         mx.async_eval(x, *self.unqueued)
         self.unqueued.clear()
         self._start(refill_at(self.order.index(layer), len(self.window)))
+        stats = self.telemetry.current
+        stats.prerouted += 1
+        if plan.on_demand:
+            ids, where = np.unique(np.array(inds), return_inverse=True)
+            return self.fallback(layer, x, inds, (ids, where.reshape(inds.shape)))
         try:
             waited = plan.fill.reads.wait()
         except BaseException:
-            buffer.invalidate()
+            self._drop(plan)
             raise
-        if self.hot is not None:  # the cache learns the prerouted layers' experts too
-            self.hot.admit(layer, plan.ids, plan.fill.read, buffer.rows)
-        stats = self.telemetry.current
-        stats.prerouted += 1
         stats.prerouted_wait_s += waited
-        y = buffer.rows.compute(x, mx.take(plan.fill.slot_table, inds), self.compute_dtype)
+        table = mx.take(plan.fill.slot_table, inds)
+        if plan.cached is not None:
+            self.hot.finish_planned(plan.cached)
+            y = self.hot.buffers.compute(x, table, self.compute_dtype, plan.cached.rows)
+        else:
+            if self.hot is not None:  # the cache learns the prerouted layers' experts too
+                self.hot.admit(layer, plan.ids, plan.fill.read, plan.buffer.rows)
+            y = plan.buffer.rows.compute(x, table, self.compute_dtype)
         # the buffer's reader, queued with the next prerouted layer: the next step's fill
         # into this buffer waits for it alone, not for the whole step
         self.unqueued.append(y)

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .checkpoint import RESIDENT_FILE, Edge0Section
-from .hot import HotCache, hot_capacity, kept_fits, permanent_fits
+from .hot import HotCache, hot_capacity, kept_fits, permanent_fits, planned_fits
 from .memory import available_memory
 from .options import MIN_STAGED_WINDOW, Options
 from .parallel import ExpertShard
@@ -113,20 +113,18 @@ class StreamingRuntime:
             for head in heads.values():  # otherwise they stay unread until a forward uses them
                 head.hold_transposed()
         # Staging buffers: per layer (the staged path, and the prerouted layers
-        # without a window), or a window the prerouted layers take in turn; an
-        # "auto" window starts at MIN_STAGED_WINDOW buffers and may grow to one
-        # per prerouted layer (``window_limit``).
+        # without a window where the hot cache cannot take their fills), or a
+        # window the prerouted layers take in turn; an "auto" window starts at
+        # MIN_STAGED_WINDOW buffers and may grow to one per prerouted layer
+        # (``window_limit``).
         auto = options.staged_window == "auto"
         self.window_limit = len(consumer_of) if auto else min(options.staged_window, len(consumer_of))
         window = min(MIN_STAGED_WINDOW, self.window_limit) if auto else self.window_limit
-        staged_layers = layers if options.staged else ([] if window else sorted(consumer_of.values()))
-        # A layer never routes to more experts than it has: more slots would stay empty.
-        self.staging = {
-            layer: StagingBuffer(
-                self.store, layer, min(options.staged_slots or self.k_of[layer], g.num_experts), pool_dtype
-            )
-            for layer in staged_layers
-        }
+        # Without a window the prerouted layers' fills are the hot cache's (each
+        # expert held once) where it has room to pin a step's plans; else each
+        # prerouted layer gets a staging buffer, made once the cache is sized.
+        cache_fills = bool(consumer_of) and not window and not options.staged
+        self.staging = {layer: self._staging_buffer(layer) for layer in (layers if options.staged else [])}
         self.window_slots = min(options.staged_slots or spec.k, g.num_experts) if window else 0
         self.window = [self._window_buffer() for _ in range(window)]
         self.loader = WholeLayerLoader(
@@ -136,26 +134,39 @@ class StreamingRuntime:
         # what is left once everything else this process will hold is counted.
         self.heads = heads
         row_bytes = SlotBuffers.row_nbytes(g, pool_dtype)
-        committed = (
+        resident = (
             (checkpoint_dir / RESIDENT_FILE).stat().st_size  # resident weights, loaded after this
             + self.heads_nbytes()
-            + self.staged_nbytes(largest=True)
             + self.experts_per_layer * row_bytes  # a prompt's whole-layer buffer
         )
         total_experts = self.experts_per_layer * len(layers)
-        # Every expert as the cache holds it (its rows' scales in the pool's dtype).
-        budget = options.cache_bytes(row_bytes * total_experts, memory_sharers, committed, available)
-        capacity = hot_capacity(budget, row_bytes, total_experts)
-        self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
         # and the compute waits for its misses: its experts are read into the hot cache once,
-        # here. They stay where that leaves the cache its use (``permanent_fits``); where
+        # at load. They stay where that leaves the cache its use (``permanent_fits``); where
         # their share is larger, they stay until the cache first has to evict (``add_held``).
         predicted = set(consumer_of.values())
         unpredicted = [layer for layer in layers if layer not in predicted] if consumer_of else []
         rows = len(unpredicted) * self.experts_per_layer
-        permanent = self.hot is not None and permanent_fits(rows, capacity, total_experts)
-        held = self.hot is not None and not permanent and kept_fits(rows, capacity)
+
+        def sized(capacity: int) -> tuple[bool, bool]:
+            permanent = capacity >= k and permanent_fits(rows, capacity, total_experts)
+            return permanent, capacity >= k and not permanent and kept_fits(rows, capacity)
+
+        def capacity_left() -> int:
+            # every expert as the cache holds it (its rows' scales in the pool's dtype)
+            committed = resident + self.staged_nbytes(largest=True)
+            budget = options.cache_bytes(row_bytes * total_experts, memory_sharers, committed, available)
+            return hot_capacity(budget, row_bytes, total_experts)
+
+        capacity = capacity_left()
+        planned = sum(self.k_of[c] for c in consumer_of.values())  # a step's planned bundles, one sequence
+        kept = rows if any(sized(capacity)) else 0
+        self.cache_fills = cache_fills and capacity >= k and planned_fits(planned, capacity, kept)
+        if cache_fills and not self.cache_fills:
+            self.staging.update({c: self._staging_buffer(c) for c in sorted(consumer_of.values())})
+            capacity = capacity_left()
+        self.hot = HotCache(self.store, capacity, pool_dtype, options.hot_policy) if capacity >= k else None
+        permanent, held = sized(capacity)
         self.permanent_layers = unpredicted if permanent else []
         self.held_layers = unpredicted if held else []
         experts = range(g.num_experts) if owned is None else [int(e) for e in owned]
@@ -204,6 +215,7 @@ class StreamingRuntime:
                 telemetry=self.telemetry,
                 compute_dtype=self.compute_dtype,
                 num_experts=self.section.experts.num_experts,
+                fallback=self.decode_fallback.from_union if self.cache_fills else None,
                 **({} if self.shard is None else {"local": self.shard.local}),
             )
 
@@ -233,6 +245,8 @@ class StreamingRuntime:
                 self.adapt_window(closed)
             if length == 1:
                 self.loader.clear()
+            if self.hot is not None:
+                self.hot.open_forward()
             if self.prerouting is not None:
                 self.prerouting.begin_forward(length, x)
         self.path(batch, length).begin(layer)
@@ -297,6 +311,11 @@ class StreamingRuntime:
             while len(self.window) < depth:  # the prerouter holds this same list
                 self.prerouting.add_window_buffer(self._window_buffer())
         return len(self.window)
+
+    def _staging_buffer(self, layer: int) -> StagingBuffer:
+        # A layer never routes to more experts than it has: more slots would stay empty.
+        slots = min(self.options.staged_slots or self.k_of[layer], self.section.experts.num_experts)
+        return StagingBuffer(self.store, layer, slots, self.pool_dtype)
 
     def _window_buffer(self) -> StagingBuffer:
         return StagingBuffer(self.store, -1, self.window_slots, self.pool_dtype)

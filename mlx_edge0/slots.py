@@ -17,16 +17,21 @@ It is enforced by the only two ways in and out of the rows: every
 computation from them goes through :meth:`SlotBuffers.compute`, which records
 it, and every write goes through :meth:`SlotBuffers.rows_for_writing` (the
 store's reads) or :meth:`SlotBuffers.copy_row`, which evaluate the recorded
-computations first. In a decode loop each step is evaluated before the next
-is built, so this costs nothing; it matters when a caller builds several
-steps without evaluating them (e.g. teacher-forced scoring one token at a
-time).
+computations first: those that read the rows written, where a computation
+names its rows, else every one. Named rows let a write land beside a
+computation still queued without waiting for it (the hot cache's reads for
+the next decode step, while the step before computes its last layers from
+other rows); :meth:`SlotBuffers.open_forward` evaluates those recorded two
+forwards back, already evaluated in a decode loop, so they are not kept.
+Waiting costs nothing where a step is evaluated before the next is built; it
+matters when a caller builds several steps without evaluating them (e.g.
+teacher-forced scoring one token at a time).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -71,7 +76,10 @@ class SlotBuffers:
             dt = DTYPES[dtype][0] if part == "weight" else self.scales_dtype
             self.arrays.append(page_aligned_zeros((capacity, *shape), dt))
         self._views = [memoryview(a).cast("B") for a in self.arrays]
-        self._readers: list[mx.array] = []  # computations from the rows not known to be evaluated
+        # computations from the rows not known to be evaluated: (the rows they read, None:
+        # any; the forward they were recorded in; the output)
+        self._readers: list[tuple[Optional[frozenset[int]], int, mx.array]] = []
+        self._forward = 0
         self.row_bytes = [v.nbytes // capacity for v in self._views]
 
     @property
@@ -94,9 +102,11 @@ class SlotBuffers:
 
     def rows_for_writing(self, rows: Sequence[int]) -> list[list[memoryview]]:
         """Writable byte views of ``rows`` (for I/O threads), once every
-        computation recorded as reading these buffers is evaluated. Call on
-        the compute thread."""
-        self._settle_readers()
+        recorded computation that may read them is evaluated. Call on the
+        compute thread."""
+        written = {int(r) for r in rows}
+        if written:
+            self._settle_readers(lambda read, _: read is None or not read.isdisjoint(written))
         return [self.row_views(row) for row in rows]
 
     def copy_row(self, src: "SlotBuffers", src_row: int, dst_row: int) -> None:
@@ -105,22 +115,40 @@ class SlotBuffers:
         for d, s in zip(self.rows_for_writing([dst_row])[0], src.row_views(src_row)):
             d[:] = s
 
-    def compute(self, x: mx.array, indices: mx.array, scales_dtype: Optional[mx.Dtype]) -> mx.array:
+    def compute(
+        self, x: mx.array, indices: mx.array, scales_dtype: Optional[mx.Dtype], rows: Optional[np.ndarray] = None
+    ) -> mx.array:
         """:func:`expert_glu` of ``x`` with rows ``indices`` (scales cast to
-        ``scales_dtype``), recorded as reading the rows until the next write.
+        ``scales_dtype``), recorded as reading the rows until a write that
+        may change them: ``rows``, every row ``indices`` can name (None: any
+        row, so every write waits for it).
 
         The output itself is kept (no extra op, so settling an evaluated one
         launches nothing); these buffers are read only at decode and for small
-        prompt chunks, so what is kept is small, and only until the next
-        rewrite."""
+        prompt chunks, so what is kept is small: with ``rows`` named (decode
+        calls), for two forwards at most (:meth:`open_forward`)."""
         y = expert_glu(x, indices, self.weights().with_scales_dtype(scales_dtype))
-        self._readers.append(y)
+        read = None if rows is None else frozenset(int(r) for r in np.asarray(rows).ravel())
+        self._readers.append((read, self._forward, y))
         return y
 
-    def _settle_readers(self) -> None:
-        if self._readers:
-            mx.eval(self._readers)
-            self._readers.clear()
+    def open_forward(self) -> None:
+        """A forward opens: evaluate the computations recorded before the last
+        one opened. In a decode loop, whose step n - 1 is evaluated before
+        step n + 1 is built, they are evaluated already and this launches
+        nothing; it bounds what is kept to two forwards' outputs."""
+        last = self._forward
+        self._settle_readers(lambda _, forward: forward < last)
+        self._forward += 1
+
+    def _settle_readers(self, settles: Callable[[Optional[frozenset[int]], int], bool]) -> None:
+        """Evaluate and forget the recorded computations ``settles(rows, forward)`` picks."""
+        picked, kept = [], []
+        for reader in self._readers:
+            (picked if settles(reader[0], reader[1]) else kept).append(reader)
+        if picked:
+            mx.eval([y for _, _, y in picked])
+            self._readers = kept
 
     def weights(self) -> ExpertWeights:
         a = self.arrays

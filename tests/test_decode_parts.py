@@ -432,16 +432,21 @@ class FixedHead:
         return mx.broadcast_to(self.logits, (*h.shape[:2], self.logits.shape[0]))
 
 
-def _prerouting(store, window=0, hot=None):
+def _prerouting(store, window=0, hot=None, cache_fills=False):
+    """Fills into staging buffers (one per consumer, or a window), or with
+    ``cache_fills`` the hot cache's (the hot path reads what it cannot pin)."""
     consumer_of = {o: o + 1 for o in LAYERS[:-1]}
     rng = np.random.default_rng(0)
     heads = {o: FixedHead(mx.array(rng.standard_normal(store.geometry.num_experts).astype(np.float32)))
              for o in consumer_of}  # fmt: skip
-    buffers = {} if window else {c: StagingBuffer(store, c, K, None) for c in consumer_of.values()}
+    staged = not (window or cache_fills)
+    buffers = {c: StagingBuffer(store, c, K, None) for c in consumer_of.values()} if staged else {}
     windows = [StagingBuffer(store, -1, K, None) for _ in range(window)]
+    fallback = HotPath(hot, ExactPath(store, store.telemetry, None, None, K), store.telemetry, None).from_union
     pre = Prerouting(
         heads, consumer_of, {layer: route for layer in LAYERS}, buffers=buffers, window=windows, hot=hot,
         telemetry=store.telemetry, compute_dtype=None, num_experts=store.geometry.num_experts,
+        fallback=fallback if cache_fills else None,
     )  # fmt: skip
     return pre, heads
 
@@ -540,6 +545,122 @@ def test_the_hot_cache_keeps_what_prerouted_fills_read(window):
     assert len(hot.row_of) == 5 * K and {layer for layer, _ in hot.row_of} == set(LAYERS[1:])
     read, from_memory = step()
     assert read == 0 and from_memory == 5 * K
+
+
+def _cache_step(store, pre, heads, x, batch=1) -> list[mx.array]:
+    """One prerouted decode step; each consumer's output against the reference."""
+    store.telemetry.begin_step(batch)
+    pre.bind(_decode_state(pre, heads, [True] * batch))  # the same prediction every step
+    pre.hot.open_forward()
+    pre.begin_forward(1, x)
+    outputs = []
+    for consumer in LAYERS[1:]:
+        plan = pre.take(consumer)
+        got = pre.experts(consumer, x, plan.inds, plan)
+        assert mx.array_equal(got, expert_glu(x, plan.inds, store.weights(consumer))).item()
+        outputs.append(got)
+    return outputs
+
+
+def test_fills_of_the_cache_compute_from_its_rows_pinned_until_their_layer_computes():
+    """Without staging buffers, a step's plans are placed in the hot cache when
+    it opens (misses read into its rows) and pinned; each layer computes from
+    the rows, and the next step finds them all resident: nothing is read,
+    nothing copied."""
+    store = FakeStore(LAYERS)
+    hot = HotCache(store, 4 * 5 * K, None)
+    pre, heads = _prerouting(store, hot=hot, cache_fills=True)
+    x = _x(store, 1, 1)
+    store.telemetry.begin_step(1)
+    pre.bind(_decode_state(pre, heads, [True]))
+    pre.begin_forward(1, x)
+    planned = {(c, int(e)) for c, p in pre.planned.items() for e in p.ids}
+    assert all(p.cached is not None for p in pre.planned.values()) and len(planned) == 5 * K
+    assert hot.pinned == planned and [s[1] for s in store.submitted] == [list(p.ids) for p in pre.planned.values()]
+    pre.bind(None)
+    _cache_step(store, pre, heads, x)
+    s = store.telemetry.current
+    assert (s.hot_misses, s.hot_hits, s.prerouted, s.staged_read + s.staged_copied) == (5 * K, 0, 5, 0)
+    assert hot.pinned == set() and set(hot.row_of) == planned
+    store.submitted.clear()
+    _cache_step(store, pre, heads, x)
+    s = store.telemetry.current
+    assert (s.hot_misses, s.hot_hits, s.prerouted) == (0, 5 * K, 5) and store.submitted == [
+        (c, [], False) for c in LAYERS[1:]
+    ]
+
+
+def test_plans_the_cache_cannot_pin_read_on_demand_around_the_pinned_rows():
+    """A cache of 8 rows pins at most 4 (half): the first two consumers' plans;
+    the other three read on demand, with their planned indices, into the
+    other rows, never into a pinned one: computed first here, they leave the
+    pinned plans' rows as their reads wrote them."""
+    store = FakeStore(LAYERS)
+    hot = HotCache(store, 8, None)
+    pre, heads = _prerouting(store, hot=hot, cache_fills=True)
+    x = _x(store, 1, 1)
+    for _ in range(2):
+        store.telemetry.begin_step(1)
+        pre.bind(_decode_state(pre, heads, [True]))
+        hot.open_forward()
+        pre.begin_forward(1, x)
+        plans = {c: pre.take(c) for c in reversed(LAYERS[1:])}
+        assert [plans[c].cached is not None for c in LAYERS[1:]] == [True, True, False, False, False]
+        assert all(plans[c].on_demand for c in LAYERS[3:]) and len(hot.pinned) == 2 * K
+        for consumer, plan in plans.items():
+            got = pre.experts(consumer, x, plan.inds, plan)
+            assert mx.array_equal(got, expert_glu(x, plan.inds, store.weights(consumer))).item()
+        assert store.telemetry.current.prerouted == 5 and hot.pinned == set()
+
+
+def test_a_failed_fill_of_the_cache_raises_frees_its_rows_and_unpins_them():
+    store = FakeStore(LAYERS)
+    hot = HotCache(store, 40, None)
+    pre, heads = _prerouting(store, hot=hot, cache_fills=True)
+    x = _x(store, 1, 1)
+    store.fail = ExpertReadError("layer_002.safetensors: read failed")
+    store.telemetry.begin_step(1)
+    pre.bind(_decode_state(pre, heads, [True]))
+    pre.begin_forward(1, x)
+    store.fail = None
+    plan = pre.take(LAYERS[1])
+    with pytest.raises(ExpertReadError):
+        pre.experts(LAYERS[1], x, plan.inds, plan)
+    assert not {k for k in hot.pinned if k[0] == LAYERS[1]} and not hot.row_of
+    pre.bind(None)  # the forward raised: the other plans are dropped too
+    assert hot.pinned == set() and len(hot.free) == 40 and not hot.row_of
+    _cache_step(store, pre, heads, x)  # read again, whole
+    assert len(hot.row_of) == 5 * K
+
+
+def test_a_write_waits_only_for_the_computations_that_read_its_rows(monkeypatch):
+    """A computation that names its rows is evaluated before a write into one
+    of them, not before a write into another; one that names none, before
+    any write. Computations two forwards old are evaluated when a forward opens."""
+    from mlx_edge0.slots import SlotBuffers
+
+    store = FakeStore(LAYERS)
+    buffers = SlotBuffers(store.geometry, 4)
+    store.submit(0, [1, 2, 3, 4], range(4), buffers)
+    evaluated = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evaluated.append(len(a[0]) if len(a) == 1 else len(a)), real_eval(*a)))
+    x = _x(store, 1, 1)
+    y = buffers.compute(x, mx.array([[[0, 1]]], mx.uint32), None, np.array([0, 1]))
+    store.submit(0, [5], [2], buffers)
+    assert evaluated == []
+    store.submit(0, [6], [1], buffers)  # row 1: y first
+    assert (
+        evaluated == [1] and mx.array_equal(y, expert_glu(x, mx.array([[[1, 2]]], mx.uint32), store.weights(0))).item()
+    )
+    buffers.compute(x, mx.array([[[2]]], mx.uint32), None)  # names no rows
+    store.submit(0, [7], [3], buffers)
+    assert evaluated == [1, 1]
+    buffers.compute(x, mx.array([[[3]]], mx.uint32), None, np.array([3]))
+    buffers.open_forward()  # the next forward: the step before may still compute
+    assert evaluated == [1, 1]
+    buffers.open_forward()  # the one after: evaluated in a decode loop already
+    assert evaluated == [1, 1, 1]
 
 
 def test_a_window_grown_between_steps_computes_the_predicted_routing_from_its_fills():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import gc
 import math
 import shutil
 from typing import Callable
@@ -232,24 +233,34 @@ def test_auto_budget_counts_the_heads_and_staging_once(with_heads, monkeypatch):
     memory available before the runtime held its heads and staging buffers,
     which it counts as committed: a headroom read after they are allocated
     would count them twice. Heads the prerouter does not use are never read,
-    so they are not counted."""
+    so they are not counted; without a window the prerouted layers' fills are
+    the cache's, so there is no staging to count."""
     path = with_heads("qwen3_moe")
-    probe = mlx_edge0.load_model(path, cache_gib=0).edge0_runtime
+    probe = mlx_edge0.load_model(path, cache_gib=0, staged_window=3).edge0_runtime
     n, row = probe.experts_per_layer, SlotBuffers.row_nbytes(probe.store.geometry, probe.pool_dtype)
     rows = n * len(probe.store.layers)
     resident, prompt_buffer = (path / RESIDENT_FILE).stat().st_size, n * row
-    heads, staged = probe.heads_nbytes(), probe.staged_nbytes(largest=True)
-    assert heads > 0 and staged > 0
+    heads, window = probe.heads_nbytes(), probe.staged_nbytes(largest=True)
+    assert heads > 0 and window > 0
     room = math.ceil((rows // 2 + 0.5) * row / AUTO_BYPASS_MEMORY_SHARE)  # buys half of every expert's rows
-    for prerouter, committed in ((True, resident + heads + staged + prompt_buffer), (False, resident + prompt_buffer)):
+    cases = (
+        ({"staged_window": 3}, resident + heads + window + prompt_buffer, heads + window),
+        ({}, resident + heads + prompt_buffer, heads),  # fills of the cache's: no staging
+        ({"prerouter": False}, resident + prompt_buffer, 0),
+    )
+    rt = None
+    for options, committed, held in cases:
+        rt = None  # the last case's model is freed before this one's start
+        gc.collect()
         start = mx.get_active_memory()
         # A headroom that falls by what MLX allocates from here on, as a cgroup's does.
         headroom = lambda: committed + room - (mx.get_active_memory() - start)  # noqa: E731
         monkeypatch.setattr("mlx_edge0.runtime.available_memory", headroom)
         monkeypatch.setattr("mlx_edge0.options.available_memory", headroom)
-        rt = mlx_edge0.load_model(path, page_cache="bypass", prerouter=prerouter).edge0_runtime
-        assert mx.get_active_memory() - start >= (heads + staged if prerouter else 0)  # held before the budget
-        assert rt.hot.capacity == rows // 2, prerouter
+        rt = mlx_edge0.load_model(path, page_cache="bypass", **options).edge0_runtime
+        assert mx.get_active_memory() - start >= held  # held before the budget
+        assert rt.hot.capacity == rows // 2, options
+        assert rt.staged_nbytes() == held - (heads if rt.consumer_of else 0), options
     # With room for more, every expert: the cap is their size in rows (float32 scales on the CPU).
     monkeypatch.setattr("mlx_edge0.runtime.available_memory", lambda: resident + prompt_buffer + 2 * rows * row)
     assert mlx_edge0.load_model(path, page_cache="bypass", prerouter=False).edge0_runtime.hot.capacity == rows
@@ -300,7 +311,8 @@ def test_k_override_is_a_file_swap(with_heads):
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, StreamingMoE):
             assert layer.mlp.top_k == (2 if i in consumers else 4)
-    staging = model.edge0_runtime.staging  # a lower K holds fewer slots
+    assert model.edge0_runtime.staging == {}  # the prerouted layers' fills are the hot cache's
+    staging = mlx_edge0.load_model(path, cache_gib=0).edge0_runtime.staging  # a lower K holds fewer slots
     assert {layer: b.capacity for layer, b in staging.items()} == {c: 2 for c in consumers}
     model.edge0_runtime.telemetry.routing_trace = trace = []
     greedy(model, _prompt_ids(path), 20)
@@ -391,7 +403,9 @@ def _greedy_logprobs(
 def test_staged_window_computes_the_same_numbers_in_fewer_rows(cache_gib):
     """The default model has 5 prerouted layers: a window of 3 buffers serves
     them in turn, each refilled while the layers before its next user compute.
-    The numbers are exactly those of one buffer per layer, alone and batched."""
+    The numbers are exactly those of one buffer per layer, alone and batched,
+    and with a hot cache those of fills that are the cache's (no staging; a
+    batch's plans the cache cannot pin read on demand)."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.utils import load_tokenizer
 
@@ -403,7 +417,11 @@ def test_staged_window_computes_the_same_numbers_in_fewer_rows(cache_gib):
     window = mlx_edge0.load_model(path, cache_gib=cache_gib, staged_window=3)
     rt = window.edge0_runtime
     assert len(rt.prerouting.consumer_of) == 5 and rt.staging == {} and len(rt.window) == 3
-    assert window.stats()["resident_bytes"]["staged"] * 5 == per_layer.stats()["resident_bytes"]["staged"] * 3
+    staged = per_layer.stats()["resident_bytes"]["staged"]
+    if cache_gib:
+        assert per_layer.edge0_runtime.cache_fills and staged == 0
+    else:
+        assert window.stats()["resident_bytes"]["staged"] * 5 == staged * 3
     ids = tokenizer.encode(PROMPTS[2])
     want = _greedy_logprobs(per_layer, ids, 48)
     window.reset_stats()
