@@ -112,9 +112,11 @@ class Options:
         staged: decode through per-layer staged slots (one buffer of K rows each).
         staged_slots: slots per staged buffer (0 = the layer's K, one routed
             set); at most the number of experts.
-        staged_window: staged buffers of the prerouted layers. 0 = one per
-            prerouted layer, every fill starts when the step opens (the most
-            read-ahead; memory: prerouted layers x K rows). N >= 3 = N
+        staged_window: staged buffers of the prerouted layers. 0 = none
+            where the hot cache can hold a step's plans (their fills are the
+            cache's rows: each expert held once), else one per prerouted
+            layer; either way every fill starts when the step opens (the most
+            read-ahead; staging memory: prerouted layers x K rows). N >= 3 = N
             buffers used in turn, layer order: a layer's fill starts when
             the host reaches the prerouted layer N-2 before it, so reads run
             about N-2 layers ahead of compute in N x K rows. For when memory,
@@ -171,7 +173,7 @@ class Options:
     staged_slots: int = _option(0, "Slots per staged buffer (0 = K).")
     staged_window: Union[int, str] = _option(
         0,
-        "Staged buffers the prerouted layers take in turn (0 = one per layer; "
+        "Staged buffers the prerouted layers take in turn (0 = the hot cache's rows, or one per layer; "
         "N >= 3: N x K rows, reads about N-2 layers ahead; "
         "'auto': from 3, one more after each step whose reads stalled compute).",
         parse=parse_staged_window,
