@@ -188,8 +188,8 @@ class Prerouting:
         self.num_experts = num_experts
         self.local = local
         self.fallback = fallback
-        self.in_cache = hot is not None and not buffers and not window
-        assert not self.in_cache or fallback is not None, "fills of the cache's need a fallback"
+        self.cache_fills = hot is not None and not buffers and not window
+        assert not self.cache_fills or fallback is not None, "fills of the cache's need a fallback"
         self.owners = sorted(consumer_of)
         self.owner_of = {c: o for o, c in consumer_of.items()}
         self.state: Optional[ArraysCache] = None
@@ -285,7 +285,7 @@ class Prerouting:
         if plan.fill is not None or plan.on_demand:
             return plan
         consumer = self.order[rank]
-        if self.in_cache:
+        if self.cache_fills:
             cached = self.hot.start_planned(consumer, plan.ids)
             if cached is None:
                 plan = replace(plan, on_demand=True)
