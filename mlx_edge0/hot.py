@@ -125,7 +125,7 @@ class FrequencyPolicy(LRUPolicy):
 
 
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
-PERMANENT_SHARE = 8  # permanent bundles take at most 1/8 of the rows (permanent_fits)
+PERMANENT_SHARE = 10  # permanent bundles take at most 1/10 of the rows (permanent_fits)
 KEPT_SHARE = 2  # permanent and held bundles together take at most 1/2 of the rows (kept_fits)
 PINNED_SHARE = 2  # a step's planned bundles take at most 1/2 of the other rows (planned_fits)
 
@@ -156,8 +156,10 @@ def permanent_fits(rows: int, capacity: int, total_experts: int) -> bool:
     """Whether ``rows`` permanent bundles leave a cache of ``capacity`` rows its
     use: they take at most ``1 / PERMANENT_SHARE`` of it, or the cache holds
     every expert, so they displace nothing. A larger share displaces the
-    other layers' bundles, which are then read again where reads bind
-    (BENCHMARKS.md, "ling-3.0-tiny with its first MoE layer permanent")."""
+    other layers' bundles, which are then read again where reads bind: held
+    instead (:meth:`HotCache.add_held`), the bundles the decode does not use
+    go to the others once the cache must evict (BENCHMARKS.md, "The first
+    MoE layer held, not permanent, in a tenth of the cache")."""
     return rows <= capacity // PERMANENT_SHARE or capacity >= total_experts
 
 
