@@ -4,8 +4,10 @@ per session; nothing is downloaded)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import mlx.core as mx
 import pytest
@@ -55,3 +57,13 @@ def load_stock(path: Path, dtype=mx.float32):
     model, _ = load_model(Path(path))
     model.set_dtype(dtype)
     return model
+
+
+def load_benchmark_script(name: str) -> ModuleType:
+    """``benchmarks/NAME.py``, imported as a module: the scripts are not a
+    package, and their tests call their functions directly."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

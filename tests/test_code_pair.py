@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "code_pair.py"
+from conftest import load_benchmark_script
 
 
 @pytest.fixture(scope="module")
 def code_pair():
-    spec = importlib.util.spec_from_file_location("code_pair", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("code_pair")
 
 
 def _write(out: Path, tree: str, r: int, tok_s: float, wait_ms: float) -> None:

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_waits.py"
+from conftest import load_benchmark_script
 
 
 @pytest.fixture(scope="module")
 def step_waits():
-    spec = importlib.util.spec_from_file_location("step_waits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("step_waits")
 
 
 def _run(waits_ms: list[float], steps_s: list[float], mb: list[float]) -> dict:
