@@ -2,7 +2,7 @@
 
 Decodes greedy tokens on the exact path while recording every MoE layer's
 routed set, then replays the trace through both hot-cache policies at several
-budgets with the same planner the cache uses (``mlx_edge0.hot.plan_fill``, through
+budgets with the same planner the cache uses (``mlx_edge0.cache_policy.plan_fill``, through
 ``mlx_edge0.bench.eviction.simulate``).
 
     python benchmarks/hot_policy.py CKPT [--tokens 64] [--budgets 0.25,0.5,1,2] [--out FILE]

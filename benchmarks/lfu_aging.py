@@ -1,5 +1,5 @@
 """How long should the hot cache's LFU remember? Its counts halve every
-``aging x capacity`` touches (``mlx_edge0.hot.FrequencyPolicy``); this
+``aging x capacity`` touches (``mlx_edge0.cache_policy.FrequencyPolicy``); this
 replays traces through the runtime's cache planner under several agings
 (0: never halve) beside Belady's MIN:
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
 from mlx_edge0.bench.locality import RoutingTrace
 from mlx_edge0.bench.synthetic_routing import CALIBRATED_35B_2GIB, calibrate, generate
-from mlx_edge0.hot import LFU_AGING
+from mlx_edge0.cache_policy import LFU_AGING
 from mlx_edge0.progress import bar
 
 SHAPE = CALIBRATED_35B_2GIB

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_edge0
 from mlx_edge0.expert_math import expert_glu
 from mlx_edge0.slots import SlotBuffers
-from mlx_edge0.hot import LFU_AGING, FrequencyPolicy, LRUPolicy, plan_fill
+from mlx_edge0.cache_policy import LFU_AGING, FrequencyPolicy, LRUPolicy, plan_fill
 from mlx_edge0.staging import plan_staging
 from mlx_edge0.store import ExpertReadError
 from mlx_edge0.streaming import StreamingMoE

@@ -15,7 +15,7 @@ from mlx_edge0.bench.eviction import simulate
 from mlx_edge0.bench.locality import RoutingTrace
 from mlx_edge0.checkpoint import CheckpointError, Edge0Section, read_config
 from mlx_edge0.cli import main
-from mlx_edge0.hot import FrequencyPolicy
+from mlx_edge0.cache_policy import FrequencyPolicy
 from mlx_edge0.popularity import (
     PROFILE_FILE,
     RoutingProfile,

@@ -3,11 +3,11 @@ and through the offline optimum they are measured against.
 
 The simulated cache is the runtime's (``mlx_edge0.hot``): ``capacity`` expert
 slots shared by all MoE layers, filled one MoE call at a time by the same
-planner, :func:`mlx_edge0.hot.plan_fill` (a call's routed set is made resident
+planner, :func:`mlx_edge0.cache_policy.plan_fill` (a call's routed set is made resident
 together: misses take free slots first, then victims among resident experts
 the call does not route to). Only the choice of victims differs:
 
-- ``lru``, ``lfu``: the runtime's own policies (``hot.POLICIES``).
+- ``lru``, ``lfu``: the runtime's own policies (``cache_policy.POLICIES``).
 - ``min``: Belady's MIN, the resident expert whose next use is farthest in
   the future (never used again counts as infinitely far). Optimal for a fixed
   trace and capacity: no policy that only chooses victims gets more hits.
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
-from ..hot import LFU_AGING, POLICIES, FrequencyPolicy, LRUPolicy, plan_fill
+from ..cache_policy import LFU_AGING, POLICIES, FrequencyPolicy, LRUPolicy, plan_fill
 from ..telemetry import hot_hit_rate
 from .locality import RoutingTrace
 

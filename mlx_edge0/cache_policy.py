@@ -1,0 +1,121 @@
+"""Which expert bundles a full hot cache evicts: the policies, and the
+planner that gives a call's misses their rows.
+
+Pure bookkeeping over hashable keys (no MLX, no reads), so the offline
+replay (:mod:`mlx_edge0.bench.eviction`) runs the runtime's own choices on a
+recorded trace. :class:`FrequencyPolicy` (LFU with periodic halving, ties
+broken by recency) is the default because it measured a higher hit rate than
+LRU on the routing traces in BENCHMARKS.md: MoE routing has persistently
+popular experts per layer, and pure recency evicts them during a burst of
+rare ones. :class:`LRUPolicy` stays for comparison (``hot_policy="lru"``).
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Hashable, Iterable, Mapping, Sequence
+
+LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touches
+
+
+class LRUPolicy:
+    """Evict the least recently used bundle."""
+
+    def __init__(self, capacity: int):
+        self.clock = 0
+        self.last: dict[Hashable, int] = {}
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        for k in keys:
+            self.clock += 1
+            self.last[k] = self.clock
+
+    def forget(self, key: Hashable) -> None:
+        self.last.pop(key, None)
+
+    def add_uses(self, uses: Mapping[Hashable, int]) -> None:
+        """Count ``uses`` as that many touches of each key, in its order,
+        without a step per use (a long prompt routes millions of times)."""
+        for k, n in uses.items():
+            self.clock += n
+            self.last[k] = self.clock
+
+    def add_prior(self, counts: Mapping[Hashable, float]) -> None:
+        """A routing profile's counts (:meth:`FrequencyPolicy.add_prior`):
+        recency has no use for them."""
+
+    def priority(self, key: Hashable):
+        """How much the policy wants ``key`` kept: victims are the lowest."""
+        return self.last.get(key, 0)
+
+    def victims(self, candidates: Sequence[Hashable], n: int) -> list[Hashable]:
+        return sorted(candidates, key=self.priority)[:n]
+
+
+class FrequencyPolicy(LRUPolicy):
+    """Evict the least frequently used bundle; counts halve every
+    ``aging x capacity`` touches (never with ``aging`` 0) so yesterday's
+    favourites age out. The default, :data:`LFU_AGING`, came within a point
+    or so of the best aging on every trace replayed in BENCHMARKS.md ("How
+    long LFU remembers"): a shorter memory forgets popular experts between
+    their uses, a longer one (or none) keeps stale ones when the text changes."""
+
+    def __init__(self, capacity: int, aging: int = LFU_AGING):
+        super().__init__(capacity)
+        self.count: dict[Hashable, float] = {}
+        if aging < 0:
+            raise ValueError(f"aging must be >= 0, got {aging}")
+        self.period = max(aging * capacity, 64) if aging else 0
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        for k in keys:
+            self.clock += 1
+            self.last[k] = self.clock
+            self.count[k] = self.count.get(k, 0.0) + 1.0
+            if self.period and self.clock % self.period == 0:
+                self.count = {key: c / 2 for key, c in self.count.items()}
+
+    def add_uses(self, uses: Mapping[Hashable, int]) -> None:
+        """As :meth:`LRUPolicy.add_uses`; a halving that falls within a key's
+        uses halves every count, that key's included."""
+        for k, n in uses.items():
+            halvings = (self.clock + n) // self.period - self.clock // self.period if self.period else 0
+            self.clock += n
+            self.last[k] = self.clock
+            self.count[k] = self.count.get(k, 0.0) + n
+            if halvings:
+                self.count = {key: c / 2**halvings for key, c in self.count.items()}
+
+    def add_prior(self, counts: Mapping[Hashable, float]) -> None:
+        """Start from ``counts`` uses of each key, seen before any touch (a
+        routing profile's, :func:`mlx_edge0.popularity.prior_counts`); they
+        halve with the rest."""
+        for k, c in counts.items():
+            self.count[k] = self.count.get(k, 0.0) + c
+
+    def priority(self, key: Hashable):
+        return self.count.get(key, 0.0), self.last.get(key, 0)
+
+
+POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
+
+
+def plan_fill(
+    wanted: Sequence[Hashable],
+    resident: dict[Hashable, int],
+    free: list[int],
+    policy: LRUPolicy,
+    permanent: AbstractSet[Hashable] = frozenset(),
+) -> tuple[dict[Hashable, int], list[Hashable]]:
+    """Rows for the misses of ``wanted``: free rows first, then policy victims
+    among resident keys that are neither wanted now nor ``permanent``. Returns
+    (miss -> row, evicted)."""
+    wanted_set = set(wanted)
+    misses = [k for k in wanted if k not in resident]
+    rows = free[: len(misses)]
+    need = len(misses) - len(rows)
+    candidates = [k for k in resident if k not in wanted_set and k not in permanent]
+    evicted = policy.victims(candidates, need) if need else []
+    if len(evicted) < need:
+        raise ValueError("hot cache too small for the routed set")
+    rows = rows + [resident[k] for k in evicted]
+    return dict(zip(misses, rows)), evicted
