@@ -25,6 +25,8 @@ from .flags import options_from_flags as _options
 from .serve import serve_command
 from .train.commands import train
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a checkpoint with none has no tokenizer
+
 
 def _fail(message: str) -> None:
     raise click.ClickException(message)
@@ -307,7 +309,7 @@ def profile_command(checkpoint: Path, text: Optional[Path], random_tokens: int, 
     them, so a short decode keeps the popular experts from its first token."""
     import numpy as np
 
-    from . import load
+    from . import load, load_model
     from .checkpoint import CheckpointError, read_config, text_config
     from .popularity import describe_k, measure_profile, save_profile
     from .tensorfile import TensorFileError
@@ -316,8 +318,14 @@ def profile_command(checkpoint: Path, text: Optional[Path], random_tokens: int, 
         _fail("give one of --text FILE or --random-tokens N (N >= 1)")
     if max_tokens < 1:
         _fail(f"--max-tokens must be at least 1, got {max_tokens}")
+    if text is not None and not any((checkpoint / name).exists() for name in VOCABULARY_FILES):
+        _fail(f"{checkpoint}: no tokenizer to count --text with (a synthetic checkpoint has none: use --random-tokens)")
+    options = dict(prerouter=False, lookahead=False, popularity_prior=False)
     try:
-        model, tokenizer = load(checkpoint, prerouter=False, lookahead=False, popularity_prior=False)
+        if text is not None:
+            model, tokenizer = load(checkpoint, **options)
+        else:  # random token ids need no tokenizer (a synthetic checkpoint has none)
+            model, tokenizer = load_model(checkpoint, **options), None
     except (CheckpointError, TensorFileError, ValueError) as e:
         _fail(str(e))
     if text is not None:

@@ -236,3 +236,22 @@ def test_a_truncated_profile_is_refused_naming_the_file(checkpoint):
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="popularity.safetensors"):
         load_profile(checkpoint, _section(checkpoint))
+
+
+def test_random_tokens_need_no_tokenizer_and_text_without_one_is_a_clear_error(checkpoint, tmp_path):
+    """A synthetic checkpoint (``edge0 bench synth``) has no tokenizer: its
+    profile counts random token ids, which need none; ``--text`` there is
+    refused, not a traceback."""
+    from mlx_edge0.tiny import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        (checkpoint / name).unlink(missing_ok=True)
+    runner = CliRunner()
+    r = runner.invoke(main, ["profile", str(checkpoint), "--random-tokens", "12"])
+    assert r.exit_code == 0, r.output
+    assert load_profile(checkpoint, _section(checkpoint)).tokens == 12
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n")
+    r = runner.invoke(main, ["profile", str(checkpoint), "--text", str(text)])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert f"{checkpoint}: no tokenizer to count --text with" in r.output
