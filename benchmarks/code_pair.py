@@ -1,4 +1,4 @@
-"""One edge0 arm at two versions of the code, rounds alternated.
+"""One edge0 arm at two versions of the code, or of the checkpoint, rounds alternated.
 
 Where a change has no option to turn it off, the before and after of it are
 two source trees (``git worktree add $OLD COMMIT``, or a ``git archive`` of
@@ -21,6 +21,14 @@ written to ``DIR/pair.json`` before the first run, and a DIR made with other
 options is refused rather than mixed or relabelled.
 The runs start in the tree they import, so give paths in the bench options
 absolute (``$DATA`` is).
+
+Where what changes is written into the checkpoint instead (a routing profile,
+``edge0 profile``), ``--new-edge0 DIR`` gives the new runs that checkpoint in
+place of the bench options' ``--edge0`` (a ``cp -al`` copy of it shares the
+expert files); ``--old`` and ``--new`` are then one tree:
+
+    python benchmarks/code_pair.py --old $TREE --new $TREE --new-edge0 $DATA/ling-edge0-profiled \\
+        --rounds 3 --out DIR -- --edge0 $DATA/ling-edge0 --arms edge0-prerouter+bypass ...
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from mlx_edge0.bench.summary import run_metrics
 from mlx_edge0.progress import bar
@@ -120,17 +129,38 @@ def print_table(table: dict) -> None:
     print(f"new ÷ old decode tok/s: median {ratio['median']:.3f} (by round: {rounds})")
 
 
-def same_options(out: Path, bench_args: list[str]) -> None:
-    """Refuse a DIR whose runs were made with other bench options: resuming
-    it would mix two conditions in one table, reprinting it would relabel it."""
+def same_options(out: Path, bench_args: list[str], new_edge0: Optional[str] = None) -> None:
+    """Refuse a DIR whose runs were made with other bench options (or another
+    ``--new-edge0``): resuming it would mix two conditions in one table,
+    reprinting it would relabel it."""
     for name in ("pair.json", "summary.json"):
         path = out / name
-        kept = json.loads(path.read_text()).get("bench_args") if path.is_file() else None
-        if kept is not None and kept != bench_args:
+        kept = json.loads(path.read_text()) if path.is_file() else {}
+        if "bench_args" not in kept:
+            continue
+        if kept["bench_args"] != bench_args:
             raise SystemExit(
-                f"{path}: its runs were made with bench options {' '.join(kept)!r}, not {' '.join(bench_args)!r};"
-                " give the same options, or another --out"
+                f"{path}: its runs were made with bench options {' '.join(kept['bench_args'])!r}, "
+                f"not {' '.join(bench_args)!r}; give the same options, or another --out"
             )
+        if kept.get("new_edge0") != new_edge0:
+            raise SystemExit(
+                f"{path}: its new runs loaded --new-edge0 {kept.get('new_edge0')}, not {new_edge0};"
+                " give the same, or another --out"
+            )
+
+
+def with_edge0(bench_args: list[str], edge0: str) -> list[str]:
+    """``bench_args`` with ``--edge0``'s value replaced by ``edge0``."""
+    args = list(bench_args)
+    for i, arg in enumerate(args):
+        if arg == "--edge0" and i + 1 < len(args):
+            args[i + 1] = edge0
+            return args
+        if arg.startswith("--edge0="):
+            args[i] = f"--edge0={edge0}"
+            return args
+    raise SystemExit("--new-edge0 replaces the bench options' --edge0, and they give none")
 
 
 # Top-level folders the install maps into the package (pyproject's package-dir):
@@ -157,6 +187,9 @@ def main() -> None:
     ap.add_argument("--new", type=Path, required=True, help="Source tree of the code after.")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True, help="Directory for the runs and summary.json.")
+    ap.add_argument(
+        "--new-edge0", type=Path, help="The new runs load this checkpoint in place of the bench options' --edge0."
+    )
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `edge0 bench run` options (one arm).")
     a = ap.parse_args()
     a.old, a.new, a.out = a.old.resolve(), a.new.resolve(), a.out.resolve()
@@ -166,22 +199,28 @@ def main() -> None:
             raise SystemExit(f"{tree} is not a source tree of mlx-edge0 (no mlx_edge0/__init__.py)")
         for link in map_packages(tree):
             print(f"linked {link} -> {link.readlink()} (the install's package-dir mapping)")
+    new_edge0 = str(a.new_edge0.resolve()) if a.new_edge0 else None
+    new_args = with_edge0(bench_args, new_edge0) if new_edge0 else bench_args
+    recorded = {"bench_args": bench_args} | ({"new_edge0": new_edge0} if new_edge0 else {})
     a.out.mkdir(parents=True, exist_ok=True)
-    same_options(a.out, bench_args)
-    (a.out / "pair.json").write_text(json.dumps({"bench_args": bench_args}, indent=1) + "\n")
+    same_options(a.out, bench_args, new_edge0)
+    (a.out / "pair.json").write_text(json.dumps(recorded, indent=1) + "\n")
     todo = [(r, t) for r, t in order(a.rounds) if not (a.out / f"{t}-r{r}.json").is_file()]
     started = time.perf_counter()
     with bar(len(todo), "code pair", unit="run") as progress:
         for r, tree in todo:
             progress.set_postfix_str(f"round {r}, {tree}")
-            run_one(a.old if tree == "old" else a.new, bench_args, a.out / f"{tree}-r{r}.json")
+            if tree == "old":
+                run_one(a.old, bench_args, a.out / f"{tree}-r{r}.json")
+            else:
+                run_one(a.new, new_args, a.out / f"{tree}-r{r}.json")
             progress.update()
     table = summarize(a.out, a.rounds)
     summary = a.out / "summary.json"
     # a reprint (no run made now) keeps the trees the runs were made from
     trees = json.loads(summary.read_text()) if not todo and summary.is_file() else {}
     trees = {"old": trees.get("old", str(a.old)), "new": trees.get("new", str(a.new))}
-    summary.write_text(json.dumps(trees | {"bench_args": bench_args, "table": table}, indent=1) + "\n")
+    summary.write_text(json.dumps(trees | recorded | {"table": table}, indent=1) + "\n")
     print_table(table)
     print(f"{len(todo)} runs in {time.perf_counter() - started:.0f} s; results: {a.out}")
 

@@ -50,3 +50,24 @@ def test_a_bare_tree_gets_the_packages_its_install_would_map(tmp_path, code_pair
     assert made == [tree / "mlx_edge0" / "model_patches", tree / "mlx_edge0" / "conversions"]
     assert (tree / "mlx_edge0" / "model_patches" / "__init__.py").read_text() == "FAMILY = 1\n"
     assert code_pair.map_packages(tree) == []  # linked once; a second pair over the tree keeps them
+
+
+def test_new_edge0_replaces_the_checkpoint_of_the_new_runs_only(code_pair):
+    args = ["--edge0", "/d/ling-edge0", "--arms", "edge0-hot"]
+    assert code_pair.with_edge0(args, "/d/profiled") == ["--edge0", "/d/profiled", "--arms", "edge0-hot"]
+    assert args[1] == "/d/ling-edge0"  # the old runs' options are left as they were
+    assert code_pair.with_edge0(["--edge0=/d/a", "--rounds", "1"], "/d/b") == ["--edge0=/d/b", "--rounds", "1"]
+    with pytest.raises(SystemExit, match="they give none"):
+        code_pair.with_edge0(["--arms", "edge0-hot"], "/d/b")
+
+
+def test_a_pair_made_with_another_new_checkpoint_is_refused(tmp_path, code_pair):
+    args = ["--edge0", "/d/a"]
+    (tmp_path / "pair.json").write_text(json.dumps({"bench_args": args, "new_edge0": "/d/b"}))
+    code_pair.same_options(tmp_path, args, "/d/b")  # the same pair resumes
+    with pytest.raises(SystemExit, match="loaded --new-edge0 /d/b, not /d/c"):
+        code_pair.same_options(tmp_path, args, "/d/c")
+    with pytest.raises(SystemExit, match="loaded --new-edge0 /d/b, not None"):
+        code_pair.same_options(tmp_path, args)
+    with pytest.raises(SystemExit, match="bench options"):
+        code_pair.same_options(tmp_path, ["--edge0", "/d/x"], "/d/b")
