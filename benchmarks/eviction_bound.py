@@ -74,7 +74,7 @@ def replay(layers: int, experts: int, k: int, capacity: int, tokens: int, seed: 
 
 def replay_recorded(path: Path, run: dict, decode: RecordedDecode) -> dict:
     """Every policy on one bench run's decode, from the cache it began with."""
-    start = {"permanent": decode.permanent, "resident": decode.resident}
+    start = decode.start()
     popularity = measured_popularity(decode.trace)
     hit_rate = {
         p: simulate(decode.trace, decode.capacity, p, popularity=popularity, **start).hit_rate for p in POLICIES

@@ -47,7 +47,7 @@ def rates(trace: RoutingTrace, capacity: int, agings: list[int], **start) -> dic
 
 def replay_run(path: Path, run: dict, decode: RecordedDecode, agings: list[int]) -> dict:
     """One bench run's decode from its start, and what the runtime served."""
-    start = {"permanent": decode.permanent, "resident": decode.resident}
+    start = decode.start()
     hit_rate = rates(decode.trace, decode.capacity, agings, **start)
     name = f"{path.name}: {run['arm']} round {run['round']}"
     return {"trace": name, "tokens": len(decode.trace.tokens), "capacity": decode.capacity, "hit_rate": hit_rate} | {

@@ -88,7 +88,7 @@ def main() -> None:
             trace = decode.trace
             if a.first:
                 trace = dataclasses.replace(trace, tokens=trace.tokens[: a.first])
-            start = {"permanent": decode.permanent, "resident": decode.resident}
+            start = decode.start()
             k_of = dict(zip(trace.layers, routed_k(trace)))
             best = simulate(trace, decode.capacity, "min", **start).hit_rate
             lfu = {
@@ -100,10 +100,7 @@ def main() -> None:
             preload = None
             if a.preload:
                 prior = prior_counts(profile, k_of)
-                start = {
-                    "permanent": decode.permanent,
-                    "resident": most_popular(prior, decode.capacity, decode.permanent),
-                }
+                start = decode.start() | {"resident": most_popular(prior, decode.capacity, decode.permanent)}
                 preload = {
                     "lfu": simulate(trace, decode.capacity, "lfu", prior=prior, **start).hit_rate,
                     "min": simulate(trace, decode.capacity, "min", **start).hit_rate,

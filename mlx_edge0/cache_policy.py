@@ -8,6 +8,12 @@ broken by recency) is the default because it measured a higher hit rate than
 LRU on the routing traces in BENCHMARKS.md: MoE routing has persistently
 popular experts per layer, and pure recency evicts them during a burst of
 rare ones. :class:`LRUPolicy` stays for comparison (``hot_policy="lru"``).
+
+Not every miss costs the same: with the prerouter, a prerouted layer's misses
+are read behind the compute, while a layer no head predicts (the first MoE
+layer) is read when it routes and the compute waits. LFU weighs such a
+layer's bundles by :data:`WAITED_MISS_COST` (:meth:`FrequencyPolicy.set_cost`),
+as cost-aware caches weigh frequency by the price of a miss.
 """
 
 from __future__ import annotations
@@ -15,6 +21,12 @@ from __future__ import annotations
 from typing import AbstractSet, Hashable, Iterable, Mapping, Sequence
 
 LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touches
+# A use of a bundle whose miss the compute waits for counts as this many uses
+# of one read behind the compute. Any weight above 1 lets such a bundle
+# outrank prerouted bundles that are used about as often; on the replayed
+# decodes in BENCHMARKS.md ("Misses the compute waits for") 1.5 to 4 kept
+# the same bundles, and higher weights began to cost other layers' hits.
+WAITED_MISS_COST = 2.0
 
 
 class LRUPolicy:
@@ -43,6 +55,10 @@ class LRUPolicy:
         """A routing profile's counts (:meth:`FrequencyPolicy.add_prior`):
         recency has no use for them."""
 
+    def set_cost(self, keys: Iterable[Hashable], cost: float) -> None:
+        """What a miss of each of ``keys`` costs (:meth:`FrequencyPolicy.set_cost`):
+        recency has no use for it."""
+
     def priority(self, key: Hashable):
         """How much the policy wants ``key`` kept: victims are the lowest."""
         return self.last.get(key, 0)
@@ -62,6 +78,7 @@ class FrequencyPolicy(LRUPolicy):
     def __init__(self, capacity: int, aging: int = LFU_AGING):
         super().__init__(capacity)
         self.count: dict[Hashable, float] = {}
+        self.cost: dict[Hashable, float] = {}  # a property of the key: kept when it is evicted
         if aging < 0:
             raise ValueError(f"aging must be >= 0, got {aging}")
         self.period = max(aging * capacity, 64) if aging else 0
@@ -92,8 +109,15 @@ class FrequencyPolicy(LRUPolicy):
         for k, c in counts.items():
             self.count[k] = self.count.get(k, 0.0) + c
 
+    def set_cost(self, keys: Iterable[Hashable], cost: float) -> None:
+        """Rank each of ``keys`` by its count times ``cost`` (1 for every key
+        not set): what a miss of it costs against one read behind the compute."""
+        if cost <= 0:
+            raise ValueError(f"a miss's cost must be > 0, got {cost}")
+        self.cost.update(dict.fromkeys(keys, float(cost)))
+
     def priority(self, key: Hashable):
-        return self.count.get(key, 0.0), self.last.get(key, 0)
+        return self.count.get(key, 0.0) * self.cost.get(key, 1.0), self.last.get(key, 0)
 
 
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}

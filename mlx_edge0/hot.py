@@ -11,7 +11,8 @@ Victims are the policy's (:mod:`mlx_edge0.cache_policy`: LFU with aging by
 default, or LRU), among bundles no call needs kept. Permanent bundles (:meth:`HotCache.add_permanent`:
 with the prerouter, the layers no owner predicts, where they take a small share) are never a
 victim; held ones (:meth:`HotCache.add_held`: those layers where their share is larger) are not
-a victim until the cache first has to evict, then the policy ranks them as any other. A prompt
+a victim until the cache first has to evict, then the policy ranks them as any other, a use
+of theirs worth more than a prerouted layer's (:meth:`HotCache.add_waited`). A prompt
 read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_experts`),
 copied from the rows it read, so the decode that follows starts from them.
 A prerouted decode step's layers compute from the rows too: when the step
@@ -35,7 +36,7 @@ from typing import AbstractSet, Mapping, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache_policy import POLICIES, plan_fill
+from .cache_policy import POLICIES, WAITED_MISS_COST, plan_fill
 from .slots import SlotBuffers
 from .store import ExpertStore, ReadBatch
 
@@ -90,6 +91,7 @@ class HotCache:
         self.policy = POLICIES[policy](capacity)
         self.permanent: set[Key] = set()
         self.held: set[Key] = set()  # out of the victim choice until the cache first evicts
+        self.waited: set[Key] = set()  # their misses are waited on (add_waited)
         self.ahead: dict[Key, Guess] = {}  # bundles read ahead whose reads have not landed
         self.read_ahead: set[Key] = set()  # read ahead and landed, for a call still to come
         self.pinned: set[Key] = set()  # planned for a call of this step (start_planned)
@@ -208,6 +210,15 @@ class HotCache:
             ValueError: they would take more than half the rows.
         """
         self.held.update(self._read_kept(layer, experts))
+
+    def add_waited(self, layer: int, experts: Sequence[int]) -> None:
+        """Have the policy rank ``experts`` of ``layer`` as worth
+        :data:`~mlx_edge0.cache_policy.WAITED_MISS_COST` uses per use: a layer
+        no owner predicts, whose misses the compute waits for, where a
+        prerouted layer's are read behind the compute. Reads nothing."""
+        keys = {(layer, int(e)) for e in experts}
+        self.policy.set_cost(keys, WAITED_MISS_COST)
+        self.waited.update(keys)
 
     def _read_kept(self, layer: int, experts: Sequence[int]) -> set[Key]:
         keys = {(layer, int(e)) for e in experts}

@@ -143,7 +143,8 @@ class StreamingRuntime:
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
         # and the compute waits for its misses: its experts are read into the hot cache once,
         # at load. They stay where that leaves the cache its use (``permanent_fits``); where
-        # their share is larger, they stay until the cache first has to evict (``add_held``).
+        # their share is larger, they stay until the cache first has to evict (``add_held``), and
+        # a use of theirs then outranks a prerouted layer's (``add_waited``).
         predicted = set(consumer_of.values())
         unpredicted = [layer for layer in layers if layer not in predicted] if consumer_of else []
         rows = len(unpredicted) * self.experts_per_layer
@@ -174,6 +175,9 @@ class StreamingRuntime:
             self.hot.add_permanent(layer, experts)
         for layer in self.held_layers:
             self.hot.add_held(layer, experts)
+        if self.hot is not None and not permanent:
+            for layer in unpredicted:
+                self.hot.add_waited(layer, experts)
         profile = load_profile(checkpoint_dir, section) if self.hot is not None and options.popularity_prior else None
         if profile is not None:
             self.hot.add_prior(prior_counts(profile, self.k_of, experts))

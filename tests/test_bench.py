@@ -249,7 +249,7 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     trace = RoutingTrace(**r["routing"])
     assert LocalitySummary.of(trace).as_dict() == r["locality"]
     resident = [tuple(k) for k in replay["resident_keys"]]
-    assert len(resident) == start["resident"] and replay["permanent_keys"] == []
+    assert len(resident) == start["resident"] and replay["permanent_keys"] == replay["waited_keys"] == []
     assert simulate(trace, 96, "lru", resident=resident).hit_rate == start["hit_rate"]["lru"]
     m = run_metrics(r)
     assert m["min_hit_rate"] == replay["hit_rate"]["min"]
@@ -262,6 +262,7 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     replay = p["eviction_replay"]
     assert replay["permanent"] == 16 and replay["hit_rate"]["min"] == replay["ceiling"]
     assert {tuple(k) for k in replay["permanent_keys"]} == {(0, e) for e in range(16)}
+    assert replay["waited_keys"] == []  # never a victim: nothing to weigh
     assert replay["ceiling"] == pytest.approx(1 - sum(p["locality"]["distinct"][1:]) / (6 * 24))
 
 

@@ -23,6 +23,7 @@ from mlx_edge0.bench.eviction import (
     simulate,
 )
 from mlx_edge0.bench.locality import RoutingTrace
+from mlx_edge0.cache_policy import WAITED_MISS_COST, FrequencyPolicy
 
 PROPERTY = settings(
     max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -166,6 +167,32 @@ def test_a_replay_can_start_from_the_cache_the_runtime_had():
     assert [r.capacity for r in compare(t, [1, 2], ["lru"], resident=start)] == [2]
 
 
+def test_a_waited_bundle_outranks_a_prerouted_one_used_about_as_often():
+    """One layer, 2 rows, 0 0 1 1 1 2 0, expert 0's misses waited for. At
+    call 6 (expert 2) the victim is 0 (2 uses) or 1 (3 uses): plain LFU
+    evicts 0, and the last 0 misses again (hits: calls 2, 4, 5; two waited
+    misses); at the default cost 2, 0's uses count 4, 1 goes, and the last 0
+    hits, as under MIN. LRU has no use for a cost: 0 is least recent."""
+    t = one_layer([0, 0, 1, 1, 1, 2, 0], 3)
+    waited = frozenset({(0, 0)})
+    plain = simulate(t, 2, "lfu", waited=waited, waited_cost=1)
+    weighted = simulate(t, 2, "lfu", waited=waited)
+    assert (plain.hits, plain.waited_misses) == (3, 2) and (weighted.hits, weighted.waited_misses) == (4, 1)
+    assert weighted.hits == simulate(t, 2, "min").hits
+    assert (simulate(t, 2, "lru", waited=waited).hits, simulate(t, 2, "lfu").waited_misses) == (3, 0)
+    policy = FrequencyPolicy(4)
+    policy.touch(["w", "p", "p", "p"])
+    policy.set_cost(["w"], WAITED_MISS_COST)
+    assert policy.priority("w") == (2.0, 1) and policy.victims(["w", "p"], 1) == ["w"]  # a tie: 'w' is older
+    policy.forget("w")
+    policy.touch(["w", "w"])
+    assert policy.priority("w") == (6.0, 6) and policy.victims(["w", "p"], 1) == [
+        "p"
+    ]  # its count and cost outlive a forget
+    with pytest.raises(ValueError, match="a miss's cost must be > 0, got 0"):
+        policy.set_cost(["w"], 0)
+
+
 def test_a_recorded_decode_replays_from_its_json_record():
     """A results JSON keeps a run's routing and cache start as lists; read
     back they replay as the test above, and the runtime's served share comes
@@ -178,9 +205,12 @@ def test_a_recorded_decode_replays_from_its_json_record():
     }
     decode = RecordedDecode.of(json.loads(json.dumps(run)))
     assert decode.trace == t and decode.capacity == 2 and decode.runtime_hit_rate == 0.75
-    assert decode.resident == [(0, 0), (0, 2)] and decode.permanent == frozenset()
-    start = {"permanent": decode.permanent, "resident": decode.resident}
-    assert simulate(decode.trace, decode.capacity, "min", **start).hits == 2
+    assert decode.resident == [(0, 0), (0, 2)] and decode.permanent == decode.waited == frozenset()
+    assert simulate(decode.trace, decode.capacity, "min", **decode.start()).hits == 2
+    waited = RecordedDecode.of(
+        json.loads(json.dumps(run | {"eviction_replay": run["eviction_replay"] | {"waited_keys": [[0, 1]]}}))
+    )
+    assert waited.start() == {"permanent": frozenset(), "resident": [(0, 0), (0, 2)], "waited": frozenset({(0, 1)})}
     assert RecordedDecode.of({"arm": "edge0-exact", "decode_counters": {}}) is None
     assert RecordedDecode.of(run | {"eviction_replay": {"capacity": 2}}) is None
 

@@ -216,16 +216,19 @@ def test_the_layer_no_owner_predicts_stays_in_the_hot_cache(with_heads, family):
     assert greedy(model, ids, 40) == want
     assert {e for layer, e in rt.hot.row_of if layer == first} == set(range(n))
     assert rt.hot.permanent == {(first, e) for e in range(n)}
+    assert rt.hot.waited == set()  # never a victim: nothing to weigh
     held = mlx_edge0.load_model(path, cache_gib=2.5 * n * row / 2**30)  # the layer is 40% of it
     hrt = held.edge0_runtime
     assert hrt.permanent_layers == [] and hrt.held_layers == [first] and hrt.hot.permanent == set()
     assert set(hrt.hot.row_of) == hrt.hot.held == {(first, e) for e in range(n)}
     assert greedy(held, ids, 40) == want
     assert hrt.hot.held == set() and hrt.telemetry.summed().held_released == n  # 2.5 layers fill it
+    assert hrt.hot.waited == {(first, e) for e in range(n)}  # a use of theirs outranks a prerouted one's
     smaller = mlx_edge0.load_model(path, cache_gib=1.5 * n * row / 2**30).edge0_runtime  # 67%
     assert smaller.held_layers == smaller.permanent_layers == [] and smaller.hot.row_of == {}
     off = mlx_edge0.load_model(path, cache_gib=1.0, prerouter=False).edge0_runtime
     assert off.permanent_layers == [] and off.hot.row_of == {}  # every layer routes with its gate
+    assert smaller.hot.waited == {(first, e) for e in range(n)} and off.hot.waited == set()
 
 
 def test_auto_budget_counts_the_heads_and_staging_once(with_heads, monkeypatch):

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
-from ..cache_policy import LFU_AGING, POLICIES, FrequencyPolicy, LRUPolicy, plan_fill
+from ..cache_policy import LFU_AGING, POLICIES, WAITED_MISS_COST, FrequencyPolicy, LRUPolicy, plan_fill
 from ..telemetry import hot_hit_rate
 from .locality import RoutingTrace
 
@@ -155,6 +155,7 @@ class CacheResult:
     accesses: int
     hits: int
     bundle_bytes: int = 0
+    waited_misses: int = 0  # misses of the keys given as ``waited``
 
     @property
     def misses(self) -> int:
@@ -185,17 +186,23 @@ def make_policy(
     popularity: Optional[Mapping[Key, float]] = None,
     lfu_aging: int = LFU_AGING,
     prior: Optional[Mapping[Key, float]] = None,
+    waited: AbstractSet[Key] = frozenset(),
+    waited_cost: float = WAITED_MISS_COST,
 ):
     """The victim chooser called ``name`` (one of :data:`POLICY_NAMES`, or
     :data:`POPULARITY` with ``popularity`` given); LFU's counts halve every
     ``lfu_aging`` x ``capacity`` touches (0: never); ``prior``: counts the
     runtime's policies start from (a routing profile's,
-    :func:`mlx_edge0.popularity.prior_counts`)."""
+    :func:`mlx_edge0.popularity.prior_counts`); ``waited``: keys whose misses
+    the runtime waits for, each use worth ``waited_cost``
+    (:meth:`mlx_edge0.cache_policy.FrequencyPolicy.set_cost`)."""
 
     def base(base_name: str) -> LRUPolicy:
         policy = FrequencyPolicy(capacity, lfu_aging) if base_name == "lfu" else POLICIES[base_name](capacity)
         if prior:
             policy.add_prior(prior)
+        if waited:
+            policy.set_cost(waited, waited_cost)
         return policy
 
     if name == "min":
@@ -224,6 +231,8 @@ def simulate(
     popularity: Optional[Mapping[Key, float]] = None,
     lfu_aging: int = LFU_AGING,
     prior: Optional[Mapping[Key, float]] = None,
+    waited: AbstractSet[Key] = frozenset(),
+    waited_cost: float = WAITED_MISS_COST,
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -244,6 +253,9 @@ def simulate(
             touches (0: never); the runtime's is the default.
         prior: counts LFU (and ``lfu+next``) starts from, as the runtime's
             cache does from a routing profile.
+        waited: keys whose misses the runtime waits for (a layer no head
+            predicts): LFU counts each of their uses ``waited_cost`` times,
+            as the runtime's cache does.
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
@@ -271,10 +283,12 @@ def simulate(
         popularity,
         lfu_aging,
         prior,
+        waited,
+        waited_cost,
     )
     cached: dict[Key, int] = {k: row for row, k in enumerate(start)}
     free = list(range(len(cached), capacity))
-    hits = accesses = 0
+    hits = accesses = waited_misses = 0
     for keys in calls:  # as HotCache.fetch, without the reads
         placed, evicted = plan_fill(keys, cached, free, victims, permanent)
         for k in evicted:
@@ -285,7 +299,8 @@ def simulate(
         victims.touch(keys)
         hits += len(keys) - len(placed)
         accesses += len(keys)
-    return CacheResult(policy, capacity, len(trace.tokens), accesses, hits, bundle_bytes)
+        waited_misses += sum(k in waited for k in placed)
+    return CacheResult(policy, capacity, len(trace.tokens), accesses, hits, bundle_bytes, waited_misses)
 
 
 @dataclass(frozen=True)
@@ -299,6 +314,9 @@ class RecordedDecode:
         capacity: the hot cache's rows.
         permanent: bundles never evicted (the prerouter's unowned layers).
         resident: what the cache held when the timed decode began.
+        waited: bundles whose uses the policy weighed by the cost of a
+            waited miss (the unowned layers that are not permanent; empty in
+            records made before the runtime weighed them).
         runtime_hit_rate: the share of the decode's routings the runtime
             served from its cache (it also knew the prompt's and warm-up's
             uses, which a replay from this start does not).
@@ -309,6 +327,11 @@ class RecordedDecode:
     permanent: frozenset[Key]
     resident: list[Key]
     runtime_hit_rate: float
+    waited: frozenset[Key] = frozenset()
+
+    def start(self) -> dict:
+        """``simulate``'s keyword arguments for the cache this decode began with."""
+        return {"permanent": self.permanent, "resident": self.resident, "waited": self.waited}
 
     @classmethod
     def of(cls, run: Mapping) -> Optional["RecordedDecode"]:
@@ -325,6 +348,7 @@ class RecordedDecode:
             frozenset(tuple(k) for k in replay["permanent_keys"]),
             [tuple(k) for k in replay["resident_keys"]],
             float("nan") if rate is None else rate,
+            frozenset(tuple(k) for k in replay.get("waited_keys", [])),
         )
 
 
@@ -359,6 +383,7 @@ def compare(
     permanent: AbstractSet[Key] = frozenset(),
     resident: Sequence[Key] = (),
     popularity: Optional[Mapping[Key, float]] = None,
+    waited: AbstractSet[Key] = frozenset(),
 ) -> list[CacheResult]:
     """Every policy at every capacity (capacities whose rows left by
     ``permanent`` are fewer than a routed set, or too few for ``resident``,
@@ -375,6 +400,7 @@ def compare(
             permanent=permanent,
             resident=resident,
             popularity=popularity,
+            waited=waited,
         )
         for c in capacities
         if c - len(permanent) >= largest and c >= start

@@ -175,14 +175,14 @@ def _decode_trace(layers: list[int], steps: list[list[tuple[int, list[int]]]], n
 REPLAYED_POLICIES = ("lfu", "lru", "min", "lfu+next")
 
 
-def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list) -> dict:
+def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list, waited: frozenset) -> dict:
     """The decode trace replayed through a cache of the run's hot capacity
     (rows) under :data:`REPLAYED_POLICIES`: how far the policy
     is from the optimum on exactly this routing and budget. Twice: from a
     cache empty but for its permanent bundles, and (``from_start``) from
     what the runtime's cache held when the timed decode began (``resident``:
     filled by the prompt and warm-up steps), the state the runtime's own hit
-    rate starts from."""
+    rate starts from. LFU weighs the ``waited`` bundles as the runtime's does."""
     from .eviction import ceiling, compare
 
     out = {
@@ -192,11 +192,12 @@ def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list)
         # the keys themselves, so the record replays offline from the same start
         "permanent_keys": sorted(permanent),
         "resident_keys": list(resident),
+        "waited_keys": sorted(waited),
     }
-    results = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent)
+    results = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent, waited=waited)
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
         out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace, permanent))
-        started = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent, resident=resident)
+        started = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent, resident=resident, waited=waited)
         out["from_start"] = {
             "resident": len(set(resident) - permanent),
             "hit_rate": {r.policy: r.hit_rate for r in started},
@@ -360,7 +361,7 @@ def measure(spec: RunSpec) -> dict:
         record["routing"] = trace.as_dict()  # RoutingTrace(**routing): replay any policy later
         if hot is not None:
             record["eviction_replay"] = _eviction_replay(
-                trace, hot.capacity, frozenset(hot.permanent), start["resident"]
+                trace, hot.capacity, frozenset(hot.permanent), start["resident"], frozenset(hot.waited)
             )
 
     decode_s = sum(steps)

@@ -1,0 +1,110 @@
+"""How much more should a use of a waited-for bundle count in the hot cache's
+LFU? With the prerouter, a prerouted layer's misses are read behind the
+compute, but the first MoE layer (no head predicts it) is read when it routes,
+and the compute waits. ``mlx_edge0.cache_policy.WAITED_MISS_COST`` weighs that
+layer's uses; this replays recorded prerouter decodes (``edge0 bench`` results
+JSON, ``--bench``) from the cache each began with, LFU told of the
+checkpoint's routing profile as the runtime is (``--profile CHECKPOINT``, for
+decodes of a profiled checkpoint), at several costs (``inf``: the layer never
+a victim, as a permanent layer), beside Belady's MIN.
+
+The waited bundles are the record's own (``waited_keys``); a record made
+before the runtime weighed them has none, and then its first MoE layer's
+bundles are taken, for an arm that runs the prerouter. Per cost it prints the
+hit rate, the waited layer's misses per token (each one a wait) and all
+misses per token (each one a read). Prints a table and writes JSON:
+
+    python benchmarks/waited_cost.py --bench RESULTS.json [--bench ...] [--profile CHECKPOINT]
+        [--costs 1,1.5,2,4,inf] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
+from mlx_edge0.checkpoint import Edge0Section, read_config
+from mlx_edge0.popularity import load_profile, prior_counts
+
+
+def waited_keys(run: dict, decode: RecordedDecode) -> frozenset:
+    """The bundles whose misses the run waited for: the record's, or for an
+    older prerouter record, its first MoE layer's (none for other arms)."""
+    if decode.waited or decode.permanent or "prerouter" not in run["arm"]:
+        return decode.waited
+    first = decode.trace.layers[0]
+    return frozenset((first, e) for e in range(decode.trace.num_experts))
+
+
+def replay(decode: RecordedDecode, waited: frozenset, cost: float, prior) -> dict:
+    """LFU at one waited cost (``inf``: the waited bundles permanent, where the rows allow)."""
+    start = decode.start() | {"waited": waited}
+    if math.isinf(cost):
+        start |= {"permanent": decode.permanent | waited, "waited": frozenset()}
+    tokens = len(decode.trace.tokens)
+    r = simulate(
+        decode.trace, decode.capacity, "lfu", prior=prior, waited_cost=1 if math.isinf(cost) else cost, **start
+    )
+    waited_misses = r.waited_misses if not math.isinf(cost) else 0
+    return {
+        "hit_rate": r.hit_rate,
+        "waited_misses_per_token": waited_misses / tokens,
+        "misses_per_token": r.misses / tokens,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", type=Path, action="append", required=True, help="an edge0 bench results JSON")
+    p.add_argument("--profile", type=Path, help="the decodes' checkpoint, with popularity.safetensors")
+    p.add_argument("--costs", default="1,1.5,2,4,inf", help="waited costs to replay (inf: permanent)")
+    p.add_argument("--out", type=Path, help="write the results here (JSON)")
+    a = p.parse_args()
+    profile = None
+    if a.profile is not None:
+        config = read_config(a.profile)
+        profile = load_profile(a.profile, Edge0Section.from_config(config, a.profile / "config.json"))
+        if profile is None:
+            raise SystemExit(f"{a.profile}: no popularity.safetensors (make it with `edge0 profile`)")
+    costs = [float(c) for c in a.costs.split(",")]
+    if any(c <= 0 for c in costs):
+        raise SystemExit(f"--costs: every cost must be > 0, got {a.costs}")
+    rows = []
+    print("| decode | tokens | " + " | ".join(f"cost {c:g}" for c in costs) + " | MIN |")
+    print("|---|---|" + "---|" * (len(costs) + 1))
+    for path in a.bench:
+        for run, decode in recorded_decodes(path):
+            waited = waited_keys(run, decode)
+            if not waited:
+                continue
+            k_of = {layer: max(map(len, decode.trace.layer_sets(i))) for i, layer in enumerate(decode.trace.layers)}
+            prior = prior_counts(profile, k_of) if profile is not None else None
+            by_cost = {f"{c:g}": replay(decode, waited, c, prior) for c in costs}
+            best = simulate(decode.trace, decode.capacity, "min", **decode.start()).hit_rate
+            rows.append(
+                {
+                    "decode": f"{path.name}: {run['arm']} round {run['round']}",
+                    "tokens": len(decode.trace.tokens),
+                    "capacity": decode.capacity,
+                    "waited_bundles": len(waited),
+                    "profile": profile.source if profile is not None else None,
+                    "lfu": by_cost,
+                    "min": best,
+                    "runtime_hit_rate": decode.runtime_hit_rate,
+                }
+            )
+            cells = " | ".join(
+                f"{r['hit_rate']:.3f}, {r['waited_misses_per_token']:.2f} / {r['misses_per_token']:.1f}"
+                for r in by_cost.values()
+            )
+            print(f"| {rows[-1]['decode']} | {rows[-1]['tokens']} | {cells} | {best:.3f} |")
+    print("(cells: LFU's hit rate, the waited layer's misses per token / all misses per token)")
+    if a.out:
+        a.out.write_text(json.dumps({"costs": [f"{c:g}" for c in costs], "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
