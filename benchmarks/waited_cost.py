@@ -86,7 +86,7 @@ def main() -> None:
             best = simulate(decode.trace, decode.capacity, "min", **decode.start()).hit_rate
             rows.append(
                 {
-                    "decode": f"{path.name}: {run['arm']} round {run['round']}",
+                    "decode": f"{path.parent.name}/{path.name}: {run['arm']} round {run['round']}",
                     "tokens": len(decode.trace.tokens),
                     "capacity": decode.capacity,
                     "waited_bundles": len(waited),
