@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
 from mlx_edge0.checkpoint import Edge0Section, read_config
@@ -39,21 +40,34 @@ def waited_keys(run: dict, decode: RecordedDecode) -> frozenset:
     return frozenset((first, e) for e in range(decode.trace.num_experts))
 
 
-def replay(decode: RecordedDecode, waited: frozenset, cost: float, prior) -> dict:
-    """LFU at one waited cost (``inf``: the waited bundles permanent, where the rows allow)."""
+def replay(decode: RecordedDecode, waited: frozenset, cost: float, prior) -> Optional[dict]:
+    """LFU at one waited cost; ``inf``: the waited bundles permanent instead
+    (None where they leave fewer rows than a routed set)."""
     start = decode.start() | {"waited": waited}
-    if math.isinf(cost):
+    if math.isinf(cost):  # resident from the start and never a victim: nothing left to weigh
         start |= {"permanent": decode.permanent | waited, "waited": frozenset()}
+        cost = 1.0
+    try:
+        r = simulate(decode.trace, decode.capacity, "lfu", prior=prior, waited_cost=cost, **start)
+    except ValueError:
+        return None
     tokens = len(decode.trace.tokens)
-    r = simulate(
-        decode.trace, decode.capacity, "lfu", prior=prior, waited_cost=1 if math.isinf(cost) else cost, **start
-    )
-    waited_misses = r.waited_misses if not math.isinf(cost) else 0
     return {
         "hit_rate": r.hit_rate,
-        "waited_misses_per_token": waited_misses / tokens,
+        "waited_misses_per_token": r.waited_misses / tokens,
         "misses_per_token": r.misses / tokens,
     }
+
+
+def parse_costs(text: str) -> list[float]:
+    """``--costs``: comma-separated positive numbers, ``inf`` allowed."""
+    try:
+        costs = [float(c) for c in text.split(",")]
+    except ValueError:
+        costs = []
+    if not costs or any(not c > 0 for c in costs):
+        raise SystemExit(f"--costs: give positive numbers separated by commas (inf: permanent), got {text!r}")
+    return costs
 
 
 def main() -> None:
@@ -69,14 +83,16 @@ def main() -> None:
         profile = load_profile(a.profile, Edge0Section.from_config(config, a.profile / "config.json"))
         if profile is None:
             raise SystemExit(f"{a.profile}: no popularity.safetensors (make it with `edge0 profile`)")
-    costs = [float(c) for c in a.costs.split(",")]
-    if any(c <= 0 for c in costs):
-        raise SystemExit(f"--costs: every cost must be > 0, got {a.costs}")
+    costs = parse_costs(a.costs)
     rows = []
     print("| decode | tokens | " + " | ".join(f"cost {c:g}" for c in costs) + " | MIN |")
     print("|---|---|" + "---|" * (len(costs) + 1))
     for path in a.bench:
-        for run, decode in recorded_decodes(path):
+        try:
+            decodes = recorded_decodes(path)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        for run, decode in decodes:
             waited = waited_keys(run, decode)
             if not waited:
                 continue
@@ -97,7 +113,7 @@ def main() -> None:
                 }
             )
             cells = " | ".join(
-                f"{r['hit_rate']:.3f}, {r['waited_misses_per_token']:.2f} / {r['misses_per_token']:.1f}"
+                f"{r['hit_rate']:.3f}, {r['waited_misses_per_token']:.2f} / {r['misses_per_token']:.1f}" if r else "–"
                 for r in by_cost.values()
             )
             print(f"| {rows[-1]['decode']} | {rows[-1]['tokens']} | {cells} | {best:.3f} |")

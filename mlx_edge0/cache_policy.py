@@ -23,9 +23,10 @@ from typing import AbstractSet, Hashable, Iterable, Mapping, Sequence
 LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touches
 # A use of a bundle whose miss the compute waits for counts as this many uses
 # of one read behind the compute. Any weight above 1 lets such a bundle
-# outrank prerouted bundles that are used about as often; on the replayed
-# decodes in BENCHMARKS.md ("Misses the compute waits for") 1.5 to 4 kept
-# the same bundles, and higher weights began to cost other layers' hits.
+# outrank prerouted bundles that are used about as often. On the replayed
+# decodes in BENCHMARKS.md ("Misses the compute waits for"), 1.5 to 4 kept
+# the same bundles with a routing profile; without one, 4 began to cost the
+# other layers' hits.
 WAITED_MISS_COST = 2.0
 
 

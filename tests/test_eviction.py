@@ -25,6 +25,8 @@ from mlx_edge0.bench.eviction import (
 from mlx_edge0.bench.locality import RoutingTrace
 from mlx_edge0.cache_policy import WAITED_MISS_COST, FrequencyPolicy
 
+from conftest import load_benchmark_script
+
 PROPERTY = settings(
     max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -278,3 +280,45 @@ def test_min_is_the_optimum_and_no_policy_beats_it(case):
     results = {r.policy: r.hits for r in compare(trace, [capacity])}
     assert results["min"] == optimum(trace, capacity)
     assert all(hits <= results["min"] for hits in results.values())
+
+
+def test_waited_cost_replays_a_record_at_each_cost_and_names_an_older_records_first_layer():
+    """``benchmarks/waited_cost.py`` on the trace of the test above: cost 1
+    gives 3 hits of 7 and two waited misses, cost 2 four and one, ``inf``
+    (expert 0 permanent) five and none; with one row a permanent expert
+    leaves none for the others (no result). A prerouter record made before
+    the runtime weighed bundles has its first MoE layer taken; a hot arm's,
+    or one whose layer is permanent, has none."""
+    script = load_benchmark_script("waited_cost")
+    trace = one_layer([0, 0, 1, 1, 1, 2, 0], 3)
+    run = {
+        "arm": "edge0-prerouter+bypass",
+        "routing": trace.as_dict(),
+        "eviction_replay": {"capacity": 2, "permanent_keys": [], "resident_keys": []},
+        "decode_counters": {"hot_hits": 3, "hot_misses": 4},
+    }
+    decode = RecordedDecode.of(json.loads(json.dumps(run)))
+    waited = frozenset({(0, 0)})
+    rates = {c: script.replay(decode, waited, c, None) for c in (1.0, 2.0, float("inf"))}
+    assert {c: (round(r["hit_rate"] * 7), round(r["waited_misses_per_token"] * 7)) for c, r in rates.items()} == {
+        1.0: (3, 2),
+        2.0: (4, 1),
+        float("inf"): (5, 0),
+    }
+    assert (
+        script.replay(
+            RecordedDecode.of(run | {"eviction_replay": run["eviction_replay"] | {"capacity": 1}}),
+            waited,
+            float("inf"),
+            None,
+        )
+        is None
+    )
+    assert script.waited_keys(run, decode) == {(0, 0), (0, 1), (0, 2)}
+    assert script.waited_keys(run | {"arm": "edge0-hot+bypass"}, decode) == frozenset()
+    permanent = RecordedDecode.of(run | {"eviction_replay": run["eviction_replay"] | {"permanent_keys": [[0, 0]]}})
+    assert script.waited_keys(run, permanent) == frozenset()
+    assert script.parse_costs("1,2,inf") == [1.0, 2.0, float("inf")]
+    for bad in ("0,2", "a", "nan"):
+        with pytest.raises(SystemExit, match="--costs: give positive numbers"):
+            script.parse_costs(bad)
