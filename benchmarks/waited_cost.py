@@ -84,14 +84,14 @@ def main() -> None:
         if profile is None:
             raise SystemExit(f"{a.profile}: no popularity.safetensors (make it with `edge0 profile`)")
     costs = parse_costs(a.costs)
+    try:
+        recorded = [(path, recorded_decodes(path)) for path in a.bench]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     rows = []
     print("| decode | tokens | " + " | ".join(f"cost {c:g}" for c in costs) + " | MIN |")
     print("|---|---|" + "---|" * (len(costs) + 1))
-    for path in a.bench:
-        try:
-            decodes = recorded_decodes(path)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+    for path, decodes in recorded:
         for run, decode in decodes:
             waited = waited_keys(run, decode)
             if not waited:
