@@ -78,7 +78,7 @@ class FrequencyPolicy(LRUPolicy):
 
     def __init__(self, capacity: int, aging: int = LFU_AGING):
         super().__init__(capacity)
-        self.count: dict[Hashable, float] = {}
+        self.count: dict[Hashable, float] = {}  # each key's uses, each weighted by its cost
         self.cost: dict[Hashable, float] = {}  # a property of the key: kept when it is evicted
         if aging < 0:
             raise ValueError(f"aging must be >= 0, got {aging}")
@@ -88,7 +88,7 @@ class FrequencyPolicy(LRUPolicy):
         for k in keys:
             self.clock += 1
             self.last[k] = self.clock
-            self.count[k] = self.count.get(k, 0.0) + 1.0
+            self.count[k] = self.count.get(k, 0.0) + self.cost.get(k, 1.0)
             if self.period and self.clock % self.period == 0:
                 self.count = {key: c / 2 for key, c in self.count.items()}
 
@@ -99,7 +99,7 @@ class FrequencyPolicy(LRUPolicy):
             halvings = (self.clock + n) // self.period - self.clock // self.period if self.period else 0
             self.clock += n
             self.last[k] = self.clock
-            self.count[k] = self.count.get(k, 0.0) + n
+            self.count[k] = self.count.get(k, 0.0) + n * self.cost.get(k, 1.0)
             if halvings:
                 self.count = {key: c / 2**halvings for key, c in self.count.items()}
 
@@ -108,17 +108,22 @@ class FrequencyPolicy(LRUPolicy):
         routing profile's, :func:`mlx_edge0.popularity.prior_counts`); they
         halve with the rest."""
         for k, c in counts.items():
-            self.count[k] = self.count.get(k, 0.0) + c
+            self.count[k] = self.count.get(k, 0.0) + c * self.cost.get(k, 1.0)
 
     def set_cost(self, keys: Iterable[Hashable], cost: float) -> None:
-        """Rank each of ``keys`` by its count times ``cost`` (1 for every key
-        not set): what a miss of it costs against one read behind the compute."""
+        """Rank each of ``keys`` by its uses times ``cost`` (1 for every key
+        not set): what a miss of it costs against one read behind the compute.
+        Each use counts ``cost`` when it is counted (the uses already counted
+        are rescaled), so ranking a victim's candidates costs nothing more."""
         if cost <= 0:
             raise ValueError(f"a miss's cost must be > 0, got {cost}")
-        self.cost.update(dict.fromkeys(keys, float(cost)))
+        for k in keys:
+            if k in self.count:
+                self.count[k] *= cost / self.cost.get(k, 1.0)
+            self.cost[k] = float(cost)
 
     def priority(self, key: Hashable):
-        return self.count.get(key, 0.0) * self.cost.get(key, 1.0), self.last.get(key, 0)
+        return self.count.get(key, 0.0), self.last.get(key, 0)
 
 
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}

@@ -193,6 +193,14 @@ def test_a_waited_bundle_outranks_a_prerouted_one_used_about_as_often():
     ]  # its count and cost outlive a forget
     with pytest.raises(ValueError, match="a miss's cost must be > 0, got 0"):
         policy.set_cost(["w"], 0)
+    before, after = FrequencyPolicy(4), FrequencyPolicy(4)  # uses counted before a cost is set are rescaled
+    before.add_prior({"w": 1.5})
+    before.add_uses({"w": 2})
+    before.set_cost(["w"], 3)
+    after.set_cost(["w"], 3)
+    after.add_prior({"w": 1.5})
+    after.add_uses({"w": 2})
+    assert before.priority("w") == after.priority("w") == (10.5, 2)
 
 
 def test_a_recorded_decode_replays_from_its_json_record():
