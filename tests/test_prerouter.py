@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from click.testing import CliRunner
 
 import mlx_edge0
+from mlx_edge0.cache_policy import WAITED_MISS_COST
 from mlx_edge0.checkpoint import RESIDENT_FILE, CheckpointError
 from mlx_edge0.cli import main
 from mlx_edge0.options import AUTO_BYPASS_MEMORY_SHARE
@@ -224,6 +225,7 @@ def test_the_layer_no_owner_predicts_stays_in_the_hot_cache(with_heads, family):
     assert greedy(held, ids, 40) == want
     assert hrt.hot.held == set() and hrt.telemetry.summed().held_released == n  # 2.5 layers fill it
     assert hrt.hot.waited == {(first, e) for e in range(n)}  # a use of theirs outranks a prerouted one's
+    assert hrt.hot.policy.cost == dict.fromkeys(hrt.hot.waited, WAITED_MISS_COST)
     smaller = mlx_edge0.load_model(path, cache_gib=1.5 * n * row / 2**30).edge0_runtime  # 67%
     assert smaller.held_layers == smaller.permanent_layers == [] and smaller.hot.row_of == {}
     off = mlx_edge0.load_model(path, cache_gib=1.0, prerouter=False).edge0_runtime
