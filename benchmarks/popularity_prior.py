@@ -33,12 +33,6 @@ from mlx_edge0.checkpoint import Edge0Section, read_config
 from mlx_edge0.popularity import PRIOR_TOKENS, RoutingProfile, load_profile, prior_counts
 
 
-def routed_k(trace) -> tuple[int, ...]:
-    """Each MoE layer's K as the trace routed it (a K-tier decode routes its
-    first MoE layer, which no head predicts, at the checkpoint's K)."""
-    return tuple(max(map(len, trace.layer_sets(i))) for i in range(len(trace.layers)))
-
-
 def profile_from_trace(path: Path, first: int, end: int) -> RoutingProfile:
     """The routing counts of decoded tokens ``[first, end)`` of the first recorded run of ``path``."""
     trace = recorded_decodes(path)[0][1].trace
@@ -49,7 +43,7 @@ def profile_from_trace(path: Path, first: int, end: int) -> RoutingProfile:
         for row, ids in enumerate(token):
             counts[row, list(ids)] += 1
     source = f"{path.name} tokens {first}:{end}"
-    return RoutingProfile(tuple(trace.layers), counts, end - first, routed_k(trace), source)
+    return RoutingProfile(tuple(trace.layers), counts, end - first, trace.routed_k(), source)
 
 
 def most_popular(prior: dict, capacity: int, permanent: frozenset) -> list:
@@ -89,7 +83,7 @@ def main() -> None:
             if a.first:
                 trace = dataclasses.replace(trace, tokens=trace.tokens[: a.first])
             start = decode.start()
-            k_of = dict(zip(trace.layers, routed_k(trace)))
+            k_of = dict(zip(trace.layers, trace.routed_k()))
             best = simulate(trace, decode.capacity, "min", **start).hit_rate
             lfu = {
                 w: simulate(

@@ -46,7 +46,6 @@ def replay(decode: RecordedDecode, waited: frozenset, cost: float, prior) -> Opt
     start = decode.start() | {"waited": waited}
     if math.isinf(cost):  # resident from the start and never a victim: nothing left to weigh
         start |= {"permanent": decode.permanent | waited, "waited": frozenset()}
-        cost = 1.0
     try:
         r = simulate(decode.trace, decode.capacity, "lfu", prior=prior, waited_cost=cost, **start)
     except ValueError:
@@ -96,7 +95,7 @@ def main() -> None:
             waited = waited_keys(run, decode)
             if not waited:
                 continue
-            k_of = {layer: max(map(len, decode.trace.layer_sets(i))) for i, layer in enumerate(decode.trace.layers)}
+            k_of = dict(zip(decode.trace.layers, decode.trace.routed_k()))
             prior = prior_counts(profile, k_of) if profile is not None else None
             by_cost = {f"{c:g}": replay(decode, waited, c, prior) for c in costs}
             best = simulate(decode.trace, decode.capacity, "min", **decode.start()).hit_rate

@@ -47,6 +47,9 @@ def test_hand_trace_values():
     s = LocalitySummary.of(t)
     assert s.mean("reuse") == 0.625 and s.as_dict()["mean_distinct"] == 3.5
     assert t.routings == 12
+    assert t.routed_k() == (2, 2)
+    k_tier = RoutingTrace((1, 2), 8, 4, (((0, 1, 2, 3), (4, 5)), ((1, 2, 3, 4), (5, 6))))
+    assert k_tier.routed_k() == (4, 2)  # the first MoE layer at the checkpoint's K, the rest at the heads'
 
 
 def test_identical_tokens_reuse_everything_and_one_token_has_no_reuse():

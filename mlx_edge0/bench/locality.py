@@ -112,6 +112,11 @@ class RoutingTrace:
         """The routed sets of ``layers[i]``, one per token."""
         return [tok[i] for tok in self.tokens]
 
+    def routed_k(self) -> tuple[int, ...]:
+        """Each MoE layer's K as the trace routed it (a K-tier decode routes its
+        first MoE layer, which no head predicts, at the checkpoint's K)."""
+        return tuple(max(map(len, self.layer_sets(i))) for i in range(len(self.layers)))
+
     def calls(self) -> list[tuple[int, tuple[int, ...]]]:
         """``(layer, ids)`` per MoE call in forward order (the runtime's form)."""
         return [(layer, ids) for tok in self.tokens for layer, ids in zip(self.layers, tok)]
