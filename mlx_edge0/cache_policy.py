@@ -18,7 +18,7 @@ as cost-aware caches weigh frequency by the price of a miss.
 
 from __future__ import annotations
 
-from typing import AbstractSet, Hashable, Iterable, Mapping, Sequence
+from typing import AbstractSet, Callable, Hashable, Iterable, Mapping, Optional, Sequence
 
 LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touches
 # A use of a bundle whose miss the compute waits for counts as this many uses
@@ -28,6 +28,12 @@ LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touc
 # the same bundles with a routing profile; without one, 4 began to cost the
 # other layers' hits.
 WAITED_MISS_COST = 2.0
+# Among this many times the victims needed, the candidates the policy ranks
+# lowest, a settled bundle (its layer has routed in this forward, not to it)
+# goes first (plan_fill). Replayed on the decodes in BENCHMARKS.md ("Victims
+# whose layer has routed"), 8 to 16 kept the most; the whole cache (a settled
+# bundle always first) evicted popular experts of the early layers.
+SETTLED_SPAN = 8
 
 
 class LRUPolicy:
@@ -135,16 +141,26 @@ def plan_fill(
     free: list[int],
     policy: LRUPolicy,
     permanent: AbstractSet[Hashable] = frozenset(),
+    settled: Optional[Callable[[Hashable], bool]] = None,
 ) -> tuple[dict[Hashable, int], list[Hashable]]:
     """Rows for the misses of ``wanted``: free rows first, then policy victims
     among resident keys that are neither wanted now nor ``permanent``. Returns
-    (miss -> row, evicted)."""
+    (miss -> row, evicted).
+
+    ``settled`` says which keys cannot be wanted again in this forward (their
+    layer has routed, to other experts): among the :data:`SETTLED_SPAN` x
+    victims lowest ranked they go first, in the policy's order. A key of a
+    layer still to route may be wanted a few calls later, and read twice."""
     wanted_set = set(wanted)
     misses = [k for k in wanted if k not in resident]
     rows = free[: len(misses)]
     need = len(misses) - len(rows)
     candidates = [k for k in resident if k not in wanted_set and k not in permanent]
-    evicted = policy.victims(candidates, need) if need else []
+    if need and settled is not None:
+        lowest = policy.victims(candidates, need * SETTLED_SPAN)
+        evicted = sorted(lowest, key=lambda k: not settled(k))[:need]  # stable: the policy's order within each
+    else:
+        evicted = policy.victims(candidates, need) if need else []
     if len(evicted) < need:
         raise ValueError("hot cache too small for the routed set")
     rows = rows + [resident[k] for k in evicted]

@@ -95,6 +95,7 @@ class HotCache:
         self.ahead: dict[Key, Guess] = {}  # bundles read ahead whose reads have not landed
         self.read_ahead: set[Key] = set()  # read ahead and landed, for a call still to come
         self.pinned: set[Key] = set()  # planned for a call of this step (start_planned)
+        self.routed: set[int] = set()  # layers that have routed in this forward: their other bundles are settled
 
     @property
     def nbytes(self) -> int:
@@ -108,8 +109,14 @@ class HotCache:
 
     def open_forward(self) -> None:
         """A forward opens: the rows stop keeping computations two forwards old
-        (:meth:`SlotBuffers.open_forward`)."""
+        (:meth:`SlotBuffers.open_forward`), and no layer has routed in it yet."""
         self.buffers.open_forward()
+        self.routed = set()
+
+    def _settled(self, key: Key) -> bool:
+        """Whether ``key`` cannot be wanted again in this forward: its layer
+        has routed, to other experts (a victim to prefer, ``plan_fill``)."""
+        return key[0] in self.routed
 
     def _release_held(self, arriving: int) -> None:
         """Hand the held bundles to the policy once ``arriving`` new bundles
@@ -119,13 +126,14 @@ class HotCache:
             self.store.telemetry.current.held_released += len(self.held)
             self.held = set()
 
-    def _make_room(self, keys: list[Key], keep: AbstractSet[Key] = frozenset()) -> dict[Key, int]:
-        """Rows for the keys of ``keys`` that are not resident (free rows, then
-        victims other than ``keep``); the victims are forgotten at once."""
+    def _make_room(self, layer: int, keys: list[Key]) -> dict[Key, int]:
+        """Rows for the keys of ``keys`` (a routed set of ``layer``) that are
+        not resident: free rows, then victims, settled ones first; the
+        victims are forgotten at once."""
         if self.held:
             self._release_held(sum(k not in self.row_of for k in dict.fromkeys(keys)))
-        unevictable = self._unevictable() | keep if keep else self._unevictable()  # no copy per decode call
-        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, unevictable)
+        self.routed.add(layer)
+        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, self._unevictable(), self._settled)
         for k in evicted:
             del self.row_of[k]
             self.policy.forget(k)
@@ -147,7 +155,7 @@ class HotCache:
         slot_of = {int(e): s for s, e in read}
         keys = [(layer, e) for e in slot_of if (layer, e) not in self.row_of]
         if keys and len(keys) <= self.capacity:
-            placed = self._make_room(keys)
+            placed = self._make_room(layer, keys)
             for (_, e), row in placed.items():
                 self.buffers.copy_row(source, slot_of[e], row)
             self.row_of.update(placed)
@@ -255,7 +263,7 @@ class HotCache:
         if self.pinned and len(keys) > self.capacity - len(self._unevictable().difference(keys)):
             return None
         stats = self.store.telemetry.current
-        placed = self._make_room(keys)
+        placed = self._make_room(layer, keys)
         read_ahead = len(self.read_ahead.intersection(keys))
         self.read_ahead = {k for k in self.read_ahead if k[0] != layer}  # this was the call they were for
         stats.hot_hits += len(keys) - len(placed) - read_ahead
@@ -298,7 +306,7 @@ class HotCache:
         if not planned_fits(len(self.pinned) + len(keys), self.capacity, len(self.permanent | self.held)):
             return None
         stats = self.store.telemetry.current
-        placed = self._make_room(keys)
+        placed = self._make_room(layer, keys)
         stats.hot_hits += len(keys) - len(placed)
         stats.hot_misses += len(placed)
         misses = list(placed)

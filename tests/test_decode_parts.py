@@ -590,6 +590,35 @@ def test_fills_of_the_cache_compute_from_its_rows_pinned_until_their_layer_compu
     ]
 
 
+def test_a_planned_miss_takes_a_settled_victim_and_the_replay_takes_the_same():
+    """Two rows; token 0 routes expert 0 of layer 0, then expert 1 of layer
+    1; token 1 routes 0 again, and 2 of layer 1, planned when the step opens
+    (before layer 0 routes). LFU ranks (0, 0) lowest (both used once, it
+    earlier), but layer 1 has routed in this forward, not to 1: (1, 1) is
+    settled and goes instead, so layer 0's call hits. The replay in the
+    runtime's order makes the same choice; without the preference it reads
+    (0, 0) twice."""
+    from mlx_edge0.bench.eviction import simulate
+    from mlx_edge0.bench.locality import RoutingTrace
+
+    store = FakeStore(LAYERS)
+    hot = HotCache(store, 2, None)
+    hot.open_forward()
+    hot.fetch(0, [0])
+    hot.fetch(1, [1])
+    hot.open_forward()
+    assert hot.routed == set()
+    planned = hot.start_planned(1, [2])
+    assert hot.routed == {1} and set(hot.row_of) == {(0, 0)}  # (1, 1) went, though ranked above (0, 0)
+    hot.fetch(0, [0])
+    hot.finish_planned(planned)
+    assert store.telemetry.current.hot_hits == 1 and set(hot.row_of) == {(0, 0), (1, 2)}
+    trace = RoutingTrace((0, 1), 3, 1, (((0,), (1,)), ((0,), (2,))))
+    assert simulate(trace, 2, "lfu", planned={1}).hits == 1
+    assert simulate(trace, 2, "lfu", planned={1}, prefer_settled=False).hits == 0
+    assert simulate(trace, 2, "lfu").hits == simulate(trace, 2, "min", planned={1}).hits == 1  # call by call
+
+
 def test_plans_the_cache_cannot_pin_read_on_demand_around_the_pinned_rows():
     """A cache of 8 rows pins at most 4 (half): the first two consumers' plans;
     the other three read on demand, with their planned indices, into the

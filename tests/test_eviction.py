@@ -23,7 +23,7 @@ from mlx_edge0.bench.eviction import (
     simulate,
 )
 from mlx_edge0.bench.locality import RoutingTrace
-from mlx_edge0.cache_policy import WAITED_MISS_COST, FrequencyPolicy
+from mlx_edge0.cache_policy import SETTLED_SPAN, WAITED_MISS_COST, FrequencyPolicy, LRUPolicy, plan_fill
 
 from conftest import load_benchmark_script
 
@@ -203,6 +203,19 @@ def test_a_waited_bundle_outranks_a_prerouted_one_used_about_as_often():
     assert before.priority("w") == after.priority("w") == (10.5, 2)
 
 
+def test_a_settled_victim_goes_first_among_the_lowest_ranked_only():
+    """LRU over keys 0..19 touched in order: 0 is the victim. A settled key
+    among the SETTLED_SPAN x misses lowest goes first, in the policy's
+    order; one ranked above them does not."""
+    policy = LRUPolicy(20)
+    policy.touch(range(20))
+    resident = {k: k for k in range(20)}
+    assert plan_fill(["new"], resident, [], policy, settled=lambda k: k in (5, 6))[1] == [5]
+    assert plan_fill(["new"], resident, [], policy, settled=lambda k: k == SETTLED_SPAN)[1] == [0]
+    assert plan_fill(["a", "b"], resident, [], policy, settled=lambda k: k == 9)[1] == [9, 0]
+    assert plan_fill(["new"], resident, [], policy)[1] == [0]
+
+
 def test_a_recorded_decode_replays_from_its_json_record():
     """A results JSON keeps a run's routing and cache start as lists; read
     back they replay as the test above, and the runtime's served share comes
@@ -220,7 +233,14 @@ def test_a_recorded_decode_replays_from_its_json_record():
     waited = RecordedDecode.of(
         json.loads(json.dumps(run | {"eviction_replay": run["eviction_replay"] | {"waited_keys": [[0, 1]]}}))
     )
-    assert waited.start() == {"permanent": frozenset(), "resident": [(0, 0), (0, 2)], "waited": frozenset({(0, 1)})}
+    assert waited.start() == {
+        "permanent": frozenset(),
+        "resident": [(0, 0), (0, 2)],
+        "waited": frozenset({(0, 1)}),
+        "planned": frozenset(),
+    }
+    planned = RecordedDecode.of(run | {"eviction_replay": run["eviction_replay"] | {"planned_layers": [1, 2]}})
+    assert planned.start()["planned"] == frozenset({1, 2})
     assert RecordedDecode.of({"arm": "edge0-exact", "decode_counters": {}}) is None
     assert RecordedDecode.of(run | {"eviction_replay": {"capacity": 2}}) is None
 
