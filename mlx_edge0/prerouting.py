@@ -239,6 +239,13 @@ class Prerouting:
             plan.fill.reads.settle()
             plan.buffer.invalidate()
 
+    @property
+    def cache_planned_layers(self) -> frozenset[int]:
+        """The consumers whose decode fills are the hot cache's: their bundles
+        are placed when each step opens, in layer order, before any call
+        (:meth:`HotCache.start_planned`). None with staging buffers."""
+        return frozenset(self.consumer_of.values()) if self.cache_fills else frozenset()
+
     def begin_forward(self, length: int, x: Optional[mx.array] = None) -> None:
         """Turn the last step's predictions into plans and start the fills.
 

@@ -233,6 +233,8 @@ def simulate(
     prior: Optional[Mapping[Key, float]] = None,
     waited: AbstractSet[Key] = frozenset(),
     waited_cost: float = WAITED_MISS_COST,
+    planned: AbstractSet[int] = frozenset(),
+    prefer_settled: bool = True,
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -256,6 +258,14 @@ def simulate(
         waited: keys whose misses the runtime waits for (a layer no head
             predicts): LFU counts each of their uses ``waited_cost`` times,
             as the runtime's cache does.
+        planned: layers a prerouted decode plans when each token's step
+            opens, in the runtime's order: their misses are placed in layer
+            order, pinned, before the other layers' calls, and their uses
+            counted after those (``HotCache.start_planned``). The runtime's
+            policies only; MIN and the others replay call by call.
+        prefer_settled: the runtime's policies take settled victims first
+            (:func:`mlx_edge0.cache_policy.plan_fill`): bundles of a layer
+            that has routed in this token.
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
@@ -288,18 +298,36 @@ def simulate(
     )
     cached: dict[Key, int] = {k: row for row, k in enumerate(start)}
     free = list(range(len(cached), capacity))
+    runtime = policy in POLICIES
     hits = accesses = waited_misses = 0
-    for keys in calls:  # as HotCache.fetch, without the reads
-        placed, evicted = plan_fill(keys, cached, free, victims, permanent)
-        for k in evicted:
-            del cached[k]
-            victims.forget(k)
-        free = free[len(placed) - len(evicted) :]
-        cached.update(placed)
-        victims.touch(keys)
-        hits += len(keys) - len(placed)
-        accesses += len(keys)
-        waited_misses += sum(k in waited for k in placed)
+    for token in trace.tokens:  # as the runtime's HotCache, without the reads
+        routed: set[int] = set()  # layers that have routed in this token
+        pinned: set[Key] = set()
+        settled = (lambda k: k[0] in routed) if runtime and prefer_settled else None
+        for first_pass in (True, False):  # the planned layers when the step opens, then every call
+            for layer, ids in zip(trace.layers, token):
+                keys = [(layer, e) for e in ids]
+                plans = runtime and layer in planned
+                if plans and not first_pass:
+                    pinned.difference_update(keys)
+                    victims.touch(keys)  # the planned call computes: its use counts now
+                    continue
+                if plans != first_pass:
+                    continue
+                routed.add(layer)
+                placed, evicted = plan_fill(keys, cached, free, victims, permanent | pinned, settled)
+                for k in evicted:
+                    del cached[k]
+                    victims.forget(k)
+                free = free[len(placed) - len(evicted) :]
+                cached.update(placed)
+                if plans:
+                    pinned.update(keys)
+                else:
+                    victims.touch(keys)
+                hits += len(keys) - len(placed)
+                accesses += len(keys)
+                waited_misses += sum(k in waited for k in placed)
     return CacheResult(policy, capacity, len(trace.tokens), accesses, hits, bundle_bytes, waited_misses)
 
 
@@ -317,6 +345,9 @@ class RecordedDecode:
         waited: bundles whose uses the policy weighed by the cost of a
             waited miss (the unowned layers that are not permanent; empty in
             records made before the runtime weighed them).
+        planned: layers whose bundles the cache placed when each step
+            opened (empty in records made before the bench recorded them:
+            they replay call by call).
         runtime_hit_rate: the share of the decode's routings the runtime
             served from its cache (it also knew the prompt's and warm-up's
             uses, which a replay from this start does not).
@@ -328,10 +359,12 @@ class RecordedDecode:
     resident: list[Key]
     runtime_hit_rate: float
     waited: frozenset[Key] = frozenset()
+    planned: frozenset[int] = frozenset()
 
     def start(self) -> dict:
-        """``simulate``'s keyword arguments for the cache this decode began with."""
-        return {"permanent": self.permanent, "resident": self.resident, "waited": self.waited}
+        """``simulate``'s keyword arguments for the cache this decode began
+        with, and the order the runtime placed its bundles in."""
+        return {"permanent": self.permanent, "resident": self.resident, "waited": self.waited, "planned": self.planned}
 
     @classmethod
     def of(cls, run: Mapping) -> Optional["RecordedDecode"]:
@@ -349,6 +382,7 @@ class RecordedDecode:
             [tuple(k) for k in replay["resident_keys"]],
             float("nan") if rate is None else rate,
             frozenset(tuple(k) for k in replay.get("waited_keys", [])),
+            frozenset(replay.get("planned_layers", [])),
         )
 
 
@@ -384,6 +418,7 @@ def compare(
     resident: Sequence[Key] = (),
     popularity: Optional[Mapping[Key, float]] = None,
     waited: AbstractSet[Key] = frozenset(),
+    planned: AbstractSet[int] = frozenset(),
 ) -> list[CacheResult]:
     """Every policy at every capacity (capacities whose rows left by
     ``permanent`` are fewer than a routed set, or too few for ``resident``,
@@ -401,6 +436,7 @@ def compare(
             resident=resident,
             popularity=popularity,
             waited=waited,
+            planned=planned,
         )
         for c in capacities
         if c - len(permanent) >= largest and c >= start

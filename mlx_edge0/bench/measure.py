@@ -175,14 +175,17 @@ def _decode_trace(layers: list[int], steps: list[list[tuple[int, list[int]]]], n
 REPLAYED_POLICIES = ("lfu", "lru", "min", "lfu+next")
 
 
-def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list, waited: frozenset) -> dict:
+def _eviction_replay(
+    trace, capacity: int, permanent: frozenset, resident: list, waited: frozenset, planned: frozenset
+) -> dict:
     """The decode trace replayed through a cache of the run's hot capacity
     (rows) under :data:`REPLAYED_POLICIES`: how far the policy
     is from the optimum on exactly this routing and budget. Twice: from a
     cache empty but for its permanent bundles, and (``from_start``) from
     what the runtime's cache held when the timed decode began (``resident``:
     filled by the prompt and warm-up steps), the state the runtime's own hit
-    rate starts from. LFU weighs the ``waited`` bundles as the runtime's does."""
+    rate starts from. LFU weighs the ``waited`` bundles and places the
+    ``planned`` layers' when each step opens, as the runtime's does."""
     from .eviction import ceiling, compare
 
     out = {
@@ -193,11 +196,13 @@ def _eviction_replay(trace, capacity: int, permanent: frozenset, resident: list,
         "permanent_keys": sorted(permanent),
         "resident_keys": list(resident),
         "waited_keys": sorted(waited),
+        "planned_layers": sorted(planned),
     }
-    results = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent, waited=waited)
+    replayed = {"permanent": permanent, "waited": waited, "planned": planned}
+    results = compare(trace, [capacity], REPLAYED_POLICIES, **replayed)
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
         out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace, permanent))
-        started = compare(trace, [capacity], REPLAYED_POLICIES, permanent=permanent, resident=resident, waited=waited)
+        started = compare(trace, [capacity], REPLAYED_POLICIES, resident=resident, **replayed)
         out["from_start"] = {
             "resident": len(set(resident) - permanent),
             "hit_rate": {r.policy: r.hit_rate for r in started},
@@ -360,8 +365,10 @@ def measure(spec: RunSpec) -> dict:
         record["locality"] = LocalitySummary.of(trace).as_dict()
         record["routing"] = trace.as_dict()  # RoutingTrace(**routing): replay any policy later
         if hot is not None:
+            prerouting = model.edge0_runtime.prerouting
+            planned = prerouting.cache_planned_layers if prerouting is not None else frozenset()
             record["eviction_replay"] = _eviction_replay(
-                trace, hot.capacity, frozenset(hot.permanent), start["resident"], frozenset(hot.waited)
+                trace, hot.capacity, frozenset(hot.permanent), start["resident"], frozenset(hot.waited), planned
             )
 
     decode_s = sum(steps)
