@@ -30,9 +30,10 @@ LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touc
 WAITED_MISS_COST = 2.0
 # Among this many times the victims needed, the candidates the policy ranks
 # lowest, a settled bundle (its layer has routed in this forward, not to it)
-# goes first (plan_fill). Replayed on the decodes in BENCHMARKS.md ("Victims
-# whose layer has routed"), 8 to 16 kept the most; the whole cache (a settled
-# bundle always first) evicted popular experts of the early layers.
+# goes first (plan_fill). On the decodes replayed in BENCHMARKS.md ("Victims
+# whose layer has routed"), 8 to 16 kept the most. With no span at all, a
+# popular bundle of a layer that has routed went before a rare one of a layer
+# still to route, and the replays lost hits.
 SETTLED_SPAN = 8
 
 

@@ -8,7 +8,9 @@ read from disk into a victim row first. A checkpoint's routing profile
 (``edge0 profile``) seeds the policy's counts (:meth:`HotCache.add_prior`).
 
 Victims are the policy's (:mod:`mlx_edge0.cache_policy`: LFU with aging by
-default, or LRU), among bundles no call needs kept. Permanent bundles (:meth:`HotCache.add_permanent`:
+default, or LRU), among bundles no call needs kept; among the lowest ranked,
+those of a layer that has routed in this forward go first (``plan_fill``'s
+settled bundles: not wanted again before the next forward). Permanent bundles (:meth:`HotCache.add_permanent`:
 with the prerouter, the layers no owner predicts, where they take a small share) are never a
 victim; held ones (:meth:`HotCache.add_held`: those layers where their share is larger) are not
 a victim until the cache first has to evict, then the policy ranks them as any other, a use
@@ -96,6 +98,7 @@ class HotCache:
         self.read_ahead: set[Key] = set()  # read ahead and landed, for a call still to come
         self.pinned: set[Key] = set()  # planned for a call of this step (start_planned)
         self.routed: set[int] = set()  # layers that have routed in this forward: their other bundles are settled
+        self.prior: dict[Key, float] = {}  # the routing profile's counts the policy started from (add_prior)
 
     @property
     def nbytes(self) -> int:
@@ -143,8 +146,11 @@ class HotCache:
     def add_prior(self, counts: Mapping[Key, float]) -> None:
         """Count a routing profile's uses (:func:`mlx_edge0.popularity.prior_counts`)
         as seen before the first call, so victims are the experts the profile
-        found least popular until the calls' own uses outweigh it (LFU)."""
+        found least popular until the calls' own uses outweigh it (LFU).
+        Kept in :attr:`prior`, so a replay of the decode starts from them too."""
         self.policy.add_prior(counts)
+        for k, c in counts.items():
+            self.prior[k] = self.prior.get(k, 0.0) + c
 
     def admit(self, layer: int, used: Sequence[int], read: Sequence[tuple[int, int]], source: SlotBuffers) -> None:
         """A staging fill of ``layer`` used experts ``used`` and read ``read``

@@ -263,6 +263,8 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     assert replay["permanent"] == 16 and replay["hit_rate"]["min"] == replay["ceiling"]
     assert {tuple(k) for k in replay["permanent_keys"]} == {(0, e) for e in range(16)}
     assert replay["waited_keys"] == []  # never a victim: nothing to weigh
+    # its consumers' bundles are placed when each step opens, and the replay does so too
+    assert replay["planned_layers"] == [1, 2, 3, 4, 5] and replay["popularity_prior"] is False
     assert replay["ceiling"] == pytest.approx(1 - sum(p["locality"]["distinct"][1:]) / (6 * 24))
 
 

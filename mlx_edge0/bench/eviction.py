@@ -419,6 +419,7 @@ def compare(
     popularity: Optional[Mapping[Key, float]] = None,
     waited: AbstractSet[Key] = frozenset(),
     planned: AbstractSet[int] = frozenset(),
+    prior: Optional[Mapping[Key, float]] = None,
 ) -> list[CacheResult]:
     """Every policy at every capacity (capacities whose rows left by
     ``permanent`` are fewer than a routed set, or too few for ``resident``,
@@ -437,6 +438,7 @@ def compare(
             popularity=popularity,
             waited=waited,
             planned=planned,
+            prior=prior,
         )
         for c in capacities
         if c - len(permanent) >= largest and c >= start

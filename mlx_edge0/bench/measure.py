@@ -176,7 +176,7 @@ REPLAYED_POLICIES = ("lfu", "lru", "min", "lfu+next")
 
 
 def _eviction_replay(
-    trace, capacity: int, permanent: frozenset, resident: list, waited: frozenset, planned: frozenset
+    trace, capacity: int, permanent: frozenset, resident: list, waited: frozenset, planned: frozenset, prior: dict
 ) -> dict:
     """The decode trace replayed through a cache of the run's hot capacity
     (rows) under :data:`REPLAYED_POLICIES`: how far the policy
@@ -184,8 +184,11 @@ def _eviction_replay(
     cache empty but for its permanent bundles, and (``from_start``) from
     what the runtime's cache held when the timed decode began (``resident``:
     filled by the prompt and warm-up steps), the state the runtime's own hit
-    rate starts from. LFU weighs the ``waited`` bundles and places the
-    ``planned`` layers' when each step opens, as the runtime's does."""
+    rate starts from. LFU weighs the ``waited`` bundles, places the
+    ``planned`` layers' when each step opens and starts from the routing
+    profile's counts (``prior``), as the runtime's does. The record keeps
+    whether there were any (``popularity_prior``), not the counts: an offline
+    replay recomputes them from the checkpoint's profile."""
     from .eviction import ceiling, compare
 
     out = {
@@ -197,8 +200,9 @@ def _eviction_replay(
         "resident_keys": list(resident),
         "waited_keys": sorted(waited),
         "planned_layers": sorted(planned),
+        "popularity_prior": bool(prior),
     }
-    replayed = {"permanent": permanent, "waited": waited, "planned": planned}
+    replayed = {"permanent": permanent, "waited": waited, "planned": planned, "prior": prior or None}
     results = compare(trace, [capacity], REPLAYED_POLICIES, **replayed)
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
         out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace, permanent))
@@ -368,7 +372,13 @@ def measure(spec: RunSpec) -> dict:
             prerouting = model.edge0_runtime.prerouting
             planned = prerouting.cache_planned_layers if prerouting is not None else frozenset()
             record["eviction_replay"] = _eviction_replay(
-                trace, hot.capacity, frozenset(hot.permanent), start["resident"], frozenset(hot.waited), planned
+                trace,
+                hot.capacity,
+                frozenset(hot.permanent),
+                start["resident"],
+                frozenset(hot.waited),
+                planned,
+                hot.prior,
             )
 
     decode_s = sum(steps)
