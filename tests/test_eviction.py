@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -350,3 +353,43 @@ def test_waited_cost_replays_a_record_at_each_cost_and_names_an_older_records_fi
     for bad in ("0,2", "a", "nan"):
         with pytest.raises(SystemExit, match="--costs: give positive numbers"):
             script.parse_costs(bad)
+
+
+def test_settled_victims_replays_a_record_in_each_order_and_names_an_older_records_planned_layers(tmp_path):
+    """``benchmarks/settled_victims.py`` on the two-layer trace of
+    ``test_a_planned_miss_takes_a_settled_victim_and_the_replay_takes_the_same``
+    (test_decode_parts.py): call by call 1 hit of 4, in the runtime's order 0,
+    settled victims first 1 again at span 8 or with no span (span 1 leaves
+    the policy's one lowest, no choice: 0). A prerouter record made before
+    the bench kept its planned layers plans every layer but the first; a hot
+    arm's or a window's none. Its table and JSON come from the script itself."""
+    script = load_benchmark_script("settled_victims")
+    trace = RoutingTrace((0, 1), 3, 1, (((0,), (1,)), ((0,), (2,))))
+    run = {
+        "arm": "edge0-prerouter+bypass",
+        "round": 0,
+        "routing": trace.as_dict(),
+        "eviction_replay": {"capacity": 2, "permanent_keys": [], "resident_keys": []},
+        "decode_counters": {"hot_hits": 1, "hot_misses": 3},
+    }
+    decode = RecordedDecode.of(json.loads(json.dumps(run)))
+    assert script.planned_layers(run, decode) == {1}
+    assert script.planned_layers(run | {"arm": "edge0-hot+bypass"}, decode) == frozenset()
+    assert script.planned_layers(run | {"arm": "edge0-prerouter-window+bypass"}, decode) == frozenset()
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"runs": [run]}))
+    out = tmp_path / "out.json"
+    script_path = Path(__file__).parent.parent / "benchmarks" / "settled_victims.py"
+    cmd = [sys.executable, str(script_path), "--bench", str(results), "--spans", "1,8,0", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    assert (row["call_by_call"], row["step_order"], row["min"], row["runtime_hit_rate"]) == (0.25, 0.0, 0.25, 0.25)
+    assert row["settled_first"] == {"1": 0.0, "8": 0.25, "0": 0.25} and row["planned_layers"] == [1]
+    assert "| 0.250 | 0.250 | 0.000 | 0.000 | 0.250 | 0.250 | 0.250 |" in done.stdout
+    for bad in ("-1", "a", ""):
+        with pytest.raises(SystemExit, match="--spans: give whole numbers"):
+            script.parse_spans(bad)
+    bad = subprocess.run(cmd[:2] + ["--bench", str(tmp_path / "missing.json")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "missing.json: not an edge0 bench results file" in bad.stderr
+    assert "Traceback" not in bad.stderr
