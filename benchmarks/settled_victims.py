@@ -29,7 +29,6 @@ import argparse
 import json
 from pathlib import Path
 
-from mlx_edge0 import cache_policy
 from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
 from mlx_edge0.checkpoint import Edge0Section, read_config
 from mlx_edge0.popularity import load_profile, prior_counts
@@ -45,14 +44,10 @@ def planned_layers(run: dict, decode: RecordedDecode) -> frozenset:
     return frozenset(decode.trace.layers[1:])
 
 
-def hit_rate(decode: RecordedDecode, prior, span: int, **order) -> float:
-    """LFU's hit rate with ``cache_policy.SETTLED_SPAN`` set to ``span``."""
-    kept = cache_policy.SETTLED_SPAN
-    cache_policy.SETTLED_SPAN = span
-    try:
-        return simulate(decode.trace, decode.capacity, "lfu", prior=prior, **(decode.start() | order)).hit_rate
-    finally:
-        cache_policy.SETTLED_SPAN = kept
+def hit_rate(decode: RecordedDecode, prior, **order) -> float:
+    """LFU's hit rate from the decode's start, in the order ``order`` gives
+    (``simulate``'s ``planned``, ``prefer_settled``, ``settled_span``)."""
+    return simulate(decode.trace, decode.capacity, "lfu", prior=prior, **(decode.start() | order)).hit_rate
 
 
 def parse_spans(text: str) -> list[int]:
@@ -103,9 +98,11 @@ def main() -> None:
                 "planned_layers": sorted(planned),
                 "profile": profile.source if profile is not None else None,
                 "runtime_hit_rate": decode.runtime_hit_rate,
-                "call_by_call": hit_rate(decode, prior, 1, planned=frozenset(), prefer_settled=False),
-                "step_order": hit_rate(decode, prior, 1, planned=planned, prefer_settled=False),
-                "settled_first": {str(s): hit_rate(decode, prior, s or EVERY_SETTLED, planned=planned) for s in spans},
+                "call_by_call": hit_rate(decode, prior, planned=frozenset(), prefer_settled=False),
+                "step_order": hit_rate(decode, prior, planned=planned, prefer_settled=False),
+                "settled_first": {
+                    str(s): hit_rate(decode, prior, planned=planned, settled_span=s or EVERY_SETTLED) for s in spans
+                },
                 "min": simulate(decode.trace, decode.capacity, "min", **decode.start()).hit_rate,
             }
             rows.append(row)

@@ -143,22 +143,23 @@ def plan_fill(
     policy: LRUPolicy,
     permanent: AbstractSet[Hashable] = frozenset(),
     settled: Optional[Callable[[Hashable], bool]] = None,
+    span: int = SETTLED_SPAN,
 ) -> tuple[dict[Hashable, int], list[Hashable]]:
     """Rows for the misses of ``wanted``: free rows first, then policy victims
     among resident keys that are neither wanted now nor ``permanent``. Returns
     (miss -> row, evicted).
 
     ``settled`` says which keys cannot be wanted again in this forward (their
-    layer has routed, to other experts): among the :data:`SETTLED_SPAN` x
-    victims lowest ranked they go first, in the policy's order. A key of a
-    layer still to route may be wanted a few calls later, and read twice."""
+    layer has routed, to other experts): among the ``span`` x victims lowest
+    ranked (:data:`SETTLED_SPAN`) they go first, in the policy's order. A key
+    of a layer still to route may be wanted a few calls later, and read twice."""
     wanted_set = set(wanted)
     misses = [k for k in wanted if k not in resident]
     rows = free[: len(misses)]
     need = len(misses) - len(rows)
     candidates = [k for k in resident if k not in wanted_set and k not in permanent]
     if need and settled is not None:
-        lowest = policy.victims(candidates, need * SETTLED_SPAN)
+        lowest = policy.victims(candidates, need * span)
         evicted = sorted(lowest, key=lambda k: not settled(k))[:need]  # stable: the policy's order within each
     else:
         evicted = policy.victims(candidates, need) if need else []

@@ -47,7 +47,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import AbstractSet, Hashable, Iterable, Mapping, Optional, Sequence
 
-from ..cache_policy import LFU_AGING, POLICIES, WAITED_MISS_COST, FrequencyPolicy, LRUPolicy, plan_fill
+from ..cache_policy import (
+    LFU_AGING,
+    POLICIES,
+    SETTLED_SPAN,
+    WAITED_MISS_COST,
+    FrequencyPolicy,
+    LRUPolicy,
+    plan_fill,
+)
 from ..telemetry import hot_hit_rate
 from .locality import RoutingTrace
 
@@ -235,6 +243,7 @@ def simulate(
     waited_cost: float = WAITED_MISS_COST,
     planned: AbstractSet[int] = frozenset(),
     prefer_settled: bool = True,
+    settled_span: int = SETTLED_SPAN,
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -265,7 +274,8 @@ def simulate(
             policies only; MIN and the others replay call by call.
         prefer_settled: the runtime's policies take settled victims first
             (:func:`mlx_edge0.cache_policy.plan_fill`): bundles of a layer
-            that has routed in this token.
+            that has routed in this token, among ``settled_span`` x misses
+            of the lowest ranked (the runtime's by default).
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
@@ -315,7 +325,7 @@ def simulate(
                 if plans != first_pass:
                     continue
                 routed.add(layer)
-                placed, evicted = plan_fill(keys, cached, free, victims, permanent | pinned, settled)
+                placed, evicted = plan_fill(keys, cached, free, victims, permanent | pinned, settled, settled_span)
                 for k in evicted:
                     del cached[k]
                     victims.forget(k)
