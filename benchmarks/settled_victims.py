@@ -10,14 +10,15 @@ such settled bundles first among the lowest ranked
 
 This replays recorded decodes (``edge0 bench`` results JSON, ``--bench``)
 from the cache each began with, LFU told of the checkpoint's routing profile
-as the runtime is (``--profile CHECKPOINT``), four ways: call by call with no
+as the runtime is (``--profile CHECKPOINT``), three ways: call by call with no
 preference (the replay the bench made before it modelled the step's order),
 in the runtime's order with no preference (the runtime before the change),
 and in the runtime's order with settled victims first at each span
 (``--spans``; 0: every settled bundle first), beside Belady's MIN and what the
 runtime served. A record made before the bench kept its planned layers
 replays a prerouter arm without a window as planning every layer but the
-first. Prints a table and writes JSON:
+first (wrong for a run whose plans did not fit its cache, which staged them
+instead). Prints a table and writes JSON:
 
     python benchmarks/settled_victims.py --bench RESULTS.json [--bench ...] [--profile CHECKPOINT]
         [--spans 4,8,16,32,0] [--out FILE.json]
