@@ -131,6 +131,28 @@ def test_a_load_seeds_the_hot_cache_with_the_profile_unless_told_not_to(checkpoi
     assert unseeded.policy.count == unseeded.prior == {}
 
 
+def test_a_bench_run_of_a_profiled_checkpoint_replays_from_the_profiles_counts(checkpoint):
+    """The bench's own replay of a hot arm's decode starts from the counts
+    the runtime's LFU started from: the record says so, and its LFU from the
+    decode's start is ``simulate``'s with those counts."""
+    from mlx_edge0.bench.eviction import RecordedDecode
+    from mlx_edge0.bench.measure import RunSpec
+    from mlx_edge0.bench.runner import run_child
+
+    section = _section(checkpoint)
+    counts = np.ones((len(section.moe_layers), section.experts.num_experts), np.float32)
+    counts[:, 3] = 40
+    save_profile(checkpoint, RoutingProfile(section.moe_layers, counts, 10, (4, 4, 4), "hand-made"))
+    r = run_child(RunSpec("edge0-hot@1", checkpoint, 8, 6, "float32", 0), timeout_s=120)
+    assert r["ok"], r.get("stderr_tail")
+    assert r["eviction_replay"]["popularity_prior"] is True
+    decode = RecordedDecode.of(r)
+    k_of = dict(zip(decode.trace.layers, decode.trace.routed_k()))
+    prior = prior_counts(load_profile(checkpoint, section), k_of)
+    replayed = simulate(decode.trace, decode.capacity, "lfu", prior=prior, **decode.start()).hit_rate
+    assert r["eviction_replay"]["from_start"]["hit_rate"]["lfu"] == replayed
+
+
 def test_a_version_1_profile_still_seeds_the_cache_and_says_its_k_is_not_recorded(checkpoint):
     """A profile made before the file kept each layer's K has the same counts:
     it loads, seeds the cache as a version 2 file does, and ``edge0 info``
