@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from mlx_edge0.bench.eviction import recorded_decodes, simulate
-from mlx_edge0.checkpoint import Edge0Section, read_config
-from mlx_edge0.popularity import PRIOR_TOKENS, RoutingProfile, load_profile, prior_counts
+from mlx_edge0.checkpoint import CheckpointError
+from mlx_edge0.popularity import PRIOR_TOKENS, RoutingProfile, prior_counts, require_profile
 
 
 def profile_from_trace(path: Path, first: int, end: int) -> RoutingProfile:
@@ -68,10 +68,10 @@ def main() -> None:
     if (a.profile is None) == (a.profile_from is None):
         raise SystemExit("give one of --profile CHECKPOINT or --profile-from RESULTS.json --profile-tokens A:B")
     if a.profile is not None:
-        config = read_config(a.profile)
-        profile = load_profile(a.profile, Edge0Section.from_config(config, a.profile / "config.json"))
-        if profile is None:
-            raise SystemExit(f"{a.profile}: no popularity.safetensors (make it with `edge0 profile`)")
+        try:
+            profile = require_profile(a.profile)
+        except CheckpointError as e:
+            raise SystemExit(str(e)) from None
     else:
         first, _, end = a.profile_tokens.partition(":")
         profile = profile_from_trace(a.profile_from, int(first), int(end))

@@ -31,8 +31,8 @@ import json
 from pathlib import Path
 
 from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
-from mlx_edge0.checkpoint import Edge0Section, read_config
-from mlx_edge0.popularity import load_profile, prior_counts
+from mlx_edge0.checkpoint import CheckpointError
+from mlx_edge0.popularity import prior_counts, require_profile
 
 EVERY_SETTLED = 1 << 30  # a span that covers the whole cache: every settled bundle first
 
@@ -71,10 +71,10 @@ def main() -> None:
     a = p.parse_args()
     profile = None
     if a.profile is not None:
-        config = read_config(a.profile)
-        profile = load_profile(a.profile, Edge0Section.from_config(config, a.profile / "config.json"))
-        if profile is None:
-            raise SystemExit(f"{a.profile}: no popularity.safetensors (make it with `edge0 profile`)")
+        try:
+            profile = require_profile(a.profile)
+        except CheckpointError as e:
+            raise SystemExit(str(e)) from None
     spans = parse_spans(a.spans)
     try:
         recorded = [(path, recorded_decodes(path)) for path in a.bench]

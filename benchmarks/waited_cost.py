@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
-from mlx_edge0.checkpoint import Edge0Section, read_config
-from mlx_edge0.popularity import load_profile, prior_counts
+from mlx_edge0.checkpoint import CheckpointError
+from mlx_edge0.popularity import prior_counts, require_profile
 
 
 def waited_keys(run: dict, decode: RecordedDecode) -> frozenset:
@@ -78,10 +78,10 @@ def main() -> None:
     a = p.parse_args()
     profile = None
     if a.profile is not None:
-        config = read_config(a.profile)
-        profile = load_profile(a.profile, Edge0Section.from_config(config, a.profile / "config.json"))
-        if profile is None:
-            raise SystemExit(f"{a.profile}: no popularity.safetensors (make it with `edge0 profile`)")
+        try:
+            profile = require_profile(a.profile)
+        except CheckpointError as e:
+            raise SystemExit(str(e)) from None
     costs = parse_costs(a.costs)
     try:
         recorded = [(path, recorded_decodes(path)) for path in a.bench]

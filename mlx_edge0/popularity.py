@@ -228,3 +228,19 @@ def load_profile(checkpoint: Path, section: Edge0Section) -> Optional[RoutingPro
     if tokens < 0 or len(k) != len(layers) or not all(1 <= x <= shape[1] for x in k):
         raise fail(f"tokens must be >= 0 and k one K in 1..{shape[1]} per MoE layer, got tokens={tokens}, k={list(k)}")
     return RoutingProfile(layers, counts, tokens, None if version == "1" else k, meta.get("source", ""))
+
+
+def require_profile(checkpoint: Path) -> RoutingProfile:
+    """``checkpoint``'s routing profile, read against its own config: where a
+    checkpoint is named for its profile (the replay scripts' ``--profile``),
+    it must have one.
+
+    Raises:
+        CheckpointError: the checkpoint has no profile (named, with how to
+            make one), or one :func:`load_profile` refuses.
+    """
+    checkpoint = Path(checkpoint)
+    profile = load_profile(checkpoint, Edge0Section.from_config(read_config(checkpoint), checkpoint / CONFIG_FILE))
+    if profile is None:
+        raise CheckpointError(f"{checkpoint}: no {PROFILE_FILE} (make it with `edge0 profile`)")
+    return profile

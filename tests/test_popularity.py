@@ -22,6 +22,7 @@ from mlx_edge0.popularity import (
     load_profile,
     measure_profile,
     prior_counts,
+    require_profile,
     save_profile,
 )
 from mlx_edge0.telemetry import Telemetry
@@ -129,6 +130,17 @@ def test_a_load_seeds_the_hot_cache_with_the_profile_unless_told_not_to(checkpoi
     assert hot.prior == hot.policy.count  # kept, so the bench's replay starts from them too
     unseeded = mlx_edge0.load_model(checkpoint, popularity_prior=False).edge0_runtime.hot
     assert unseeded.policy.count == unseeded.prior == {}
+
+
+def test_a_checkpoint_named_for_its_profile_must_have_one(checkpoint):
+    """``require_profile``: the replay scripts' ``--profile`` names a
+    checkpoint; without a profile it is a clear error naming the file."""
+    with pytest.raises(CheckpointError, match=f"{checkpoint}: no {PROFILE_FILE} \\(make it with `edge0 profile`\\)"):
+        require_profile(checkpoint)
+    section = _section(checkpoint)
+    counts = np.ones((len(section.moe_layers), section.experts.num_experts), np.float32)
+    save_profile(checkpoint, RoutingProfile(section.moe_layers, counts, 10, (4, 4, 4), "hand-made"))
+    assert require_profile(checkpoint).source == "hand-made"
 
 
 def test_a_bench_run_of_a_profiled_checkpoint_replays_from_the_profiles_counts(checkpoint):
