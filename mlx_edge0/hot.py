@@ -32,6 +32,7 @@ still being written are never a victim nor copied from.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Optional, Sequence
 
@@ -136,7 +137,9 @@ class HotCache:
         if self.held:
             self._release_held(sum(k not in self.row_of for k in dict.fromkeys(keys)))
         self.routed.add(layer)
+        started = time.perf_counter()
         placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, self._unevictable(), self._settled)
+        self.store.telemetry.current.planning_s += time.perf_counter() - started
         for k in evicted:
             del self.row_of[k]
             self.policy.forget(k)
@@ -359,7 +362,9 @@ class HotCache:
         keys = keys[:spare]
         if not keys:
             return 0
+        started = time.perf_counter()
         placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, unevictable)
+        self.store.telemetry.current.planning_s += time.perf_counter() - started
         free_rows = len(placed) - len(evicted)
         self.free = self.free[free_rows:]
         displaced = [None] * free_rows + evicted

@@ -29,6 +29,9 @@ class Stats:
             it bounds the compute's idle time from above).
         prerouted_wait_s: the part of ``exposed_wait_s`` spent on prerouted
             layers' fills (what a deeper staged window would hide).
+        planning_s: host time the hot cache spent giving misses their rows
+            (free rows, then the policy's victims): Python work on the step's
+            path, before the misses' reads start.
         step_s: wall time from a step's opening to the next one's (the host's
             work between forwards included); 0 while the step is open.
         hot_hits / hot_misses: routed experts found / not found in the hot cache
@@ -63,6 +66,7 @@ class Stats:
     reads: int = 0
     exposed_wait_s: float = 0.0
     prerouted_wait_s: float = 0.0
+    planning_s: float = 0.0
     step_s: float = 0.0
     hot_hits: int = 0
     hot_misses: int = 0
@@ -189,7 +193,8 @@ def format_stats(stats: dict) -> str:
         f"  exposed wait    {stats['exposed_wait_ms']:.1f} ms in all, {last['exposed_wait_ms']:.1f} ms "
         "on the last step",
         f"  hot cache       {hits} hits, {misses} misses{hit_rate}, {stats['prompt_copied']} copied from prompts, "
-        f"{stats['hot_overlapped']} calls computed hits while reading misses",
+        f"{stats['hot_overlapped']} calls computed hits while reading misses, "
+        f"{stats['planning_ms']:.1f} ms choosing rows",
         f"  read ahead      {stats['lookahead_read']} experts queued for the next layer, {ahead} routed there",
         f"  staged slots    {stats['staged_kept']} kept, {stats['staged_copied']} copied, "
         f"{stats['staged_read']} read, {stats['staged_fallbacks']} fallbacks",

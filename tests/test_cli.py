@@ -49,6 +49,7 @@ def test_convert_info_generate(converted, tmp_path):
     assert "{" not in r.output.split("generation: 8 tokens")[1]
     assert "edge0 stats: 10 forwards, 19 tokens, decode path hot" in r.output  # 11 prompt + 8 decoded tokens
     assert "  hot cache       " in r.output and "  peak memory     " in r.output
+    assert " ms choosing rows\n" in r.output
 
 
 def test_default_model_is_the_packaged_trained_moe():

@@ -84,6 +84,7 @@ def test_hot_path_hits_what_it_read_and_falls_back_to_exact_beyond_the_cache():
     hot.experts(0, x, inds)
     s = store.telemetry.current
     assert (s.hot_misses, s.hot_hits) == (2, 2)
+    assert 0 < s.planning_s < 1  # both calls chose rows (the first two free ones, then none), on the host
     wide = mx.array([[[0, 1]], [[2, 3]]], mx.uint32)  # 4 experts > 3 rows
     got = hot.experts(1, _x(store, 2, 1), wide)
     assert mx.array_equal(got, expert_glu(_x(store, 2, 1), wide, store.weights(1))).item()
