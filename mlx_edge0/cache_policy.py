@@ -18,7 +18,10 @@ as cost-aware caches weigh frequency by the price of a miss.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import AbstractSet, Callable, Hashable, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
 
 LFU_AGING = 32  # FrequencyPolicy's counts halve every LFU_AGING x capacity touches
 # A use of a bundle whose miss the compute waits for counts as this many uses
@@ -71,8 +74,16 @@ class LRUPolicy:
         """How much the policy wants ``key`` kept: victims are the lowest."""
         return self.last.get(key, 0)
 
+    def order(self, keys: Sequence[Hashable]) -> np.ndarray:
+        """Indices of ``keys`` from the lowest :meth:`priority` up, ties in
+        their order (a stable sort): a victim choice ranks every resident
+        bundle, so the priorities are looked up and sorted without a Python
+        call per key."""
+        return np.argsort(np.fromiter(map(self.last.get, keys, repeat(0)), np.int64, len(keys)), kind="stable")
+
     def victims(self, candidates: Sequence[Hashable], n: int) -> list[Hashable]:
-        return sorted(candidates, key=self.priority)[:n]
+        """The ``n`` lowest ranked of ``candidates`` (:meth:`order`)."""
+        return [candidates[i] for i in self.order(candidates)[:n].tolist()]
 
 
 class FrequencyPolicy(LRUPolicy):
@@ -132,6 +143,11 @@ class FrequencyPolicy(LRUPolicy):
     def priority(self, key: Hashable):
         return self.count.get(key, 0.0), self.last.get(key, 0)
 
+    def order(self, keys: Sequence[Hashable]) -> np.ndarray:
+        count = np.fromiter(map(self.count.get, keys, repeat(0.0)), np.float64, len(keys))
+        last = np.fromiter(map(self.last.get, keys, repeat(0)), np.int64, len(keys))
+        return np.lexsort((last, count))  # stable, by count then recency
+
 
 POLICIES = {"lfu": FrequencyPolicy, "lru": LRUPolicy}
 
@@ -153,16 +169,18 @@ def plan_fill(
     layer has routed, to other experts): among the ``span`` x victims lowest
     ranked (:data:`SETTLED_SPAN`) they go first, in the policy's order. A key
     of a layer still to route may be wanted a few calls later, and read twice."""
-    wanted_set = set(wanted)
     misses = [k for k in wanted if k not in resident]
     rows = free[: len(misses)]
     need = len(misses) - len(rows)
-    candidates = [k for k in resident if k not in wanted_set and k not in permanent]
-    if need and settled is not None:
+    if not need:
+        return dict(zip(misses, rows)), []
+    kept = {*permanent, *wanted}
+    candidates = [k for k in resident if k not in kept]
+    if settled is not None:
         lowest = policy.victims(candidates, need * span)
         evicted = sorted(lowest, key=lambda k: not settled(k))[:need]  # stable: the policy's order within each
     else:
-        evicted = policy.victims(candidates, need) if need else []
+        evicted = policy.victims(candidates, need)
     if len(evicted) < need:
         raise ValueError("hot cache too small for the routed set")
     rows = rows + [resident[k] for k in evicted]

@@ -206,6 +206,24 @@ def test_a_waited_bundle_outranks_a_prerouted_one_used_about_as_often():
     assert before.priority("w") == after.priority("w") == (10.5, 2)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    touches=st.lists(st.sampled_from("abcdef"), max_size=60),
+    prior=st.dictionaries(st.sampled_from("abcdefxy"), st.sampled_from([0.5, 1.0, 2.0]), max_size=4),
+    candidates=st.lists(st.sampled_from("abcdefxyz"), unique=True),
+    n=st.integers(0, 10),
+)
+def test_victims_are_the_first_of_a_stable_sort_by_priority(touches, prior, candidates, n):
+    """``victims`` ranks without a Python call per key (``order``) and picks
+    what sorting by ``priority`` picked: ties (keys never touched, equal
+    counts and recency) stay in the candidates' order. Counts halve every 64
+    touches of a 2-row LFU, so long traces halve too."""
+    for policy in (LRUPolicy(2), FrequencyPolicy(2)):
+        policy.add_prior(prior)
+        policy.touch(touches)
+        assert policy.victims(candidates, n) == sorted(candidates, key=policy.priority)[:n]
+
+
 def test_a_settled_victim_goes_first_among_the_lowest_ranked_only():
     """LRU over keys 0..19 touched in order: 0 is the victim. A settled key
     among the SETTLED_SPAN x misses lowest goes first, in the policy's
