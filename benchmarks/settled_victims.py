@@ -10,7 +10,9 @@ such settled bundles first among the lowest ranked
 
 This replays recorded decodes (``edge0 bench`` results JSON, ``--bench``)
 from the cache each began with, LFU told of the checkpoint's routing profile
-as the runtime is (``--profile CHECKPOINT``), three ways: call by call with no
+as the runtime is (``--profile CHECKPOINT``) or, where the record kept it,
+starting from what the runtime's LFU had learned by then (``policy_at_start``:
+the prompt's and warm-up's uses too; ``--profile`` is then not needed), three ways: call by call with no
 preference (the replay the bench made before it modelled the step's order),
 in the runtime's order with no preference (the runtime before the change),
 and in the runtime's order with settled victims first at each span
@@ -47,8 +49,9 @@ def planned_layers(run: dict, decode: RecordedDecode) -> frozenset:
 
 def hit_rate(decode: RecordedDecode, prior, **order) -> float:
     """LFU's hit rate from the decode's start, in the order ``order`` gives
-    (``simulate``'s ``planned``, ``prefer_settled``, ``settled_span``)."""
-    return simulate(decode.trace, decode.capacity, "lfu", prior=prior, **(decode.start() | order)).hit_rate
+    (``simulate``'s ``planned``, ``prefer_settled``, ``settled_span``): from
+    the runtime policy's state where the record kept it, else from ``prior``."""
+    return simulate(decode.trace, decode.capacity, "lfu", prior=prior, **(decode.runtime_start() | order)).hit_rate
 
 
 def parse_spans(text: str) -> list[int]:
@@ -98,6 +101,7 @@ def main() -> None:
                 "capacity": decode.capacity,
                 "planned_layers": sorted(planned),
                 "profile": profile.source if profile is not None else None,
+                "from_runtime_state": decode.policy_state is not None,
                 "runtime_hit_rate": decode.runtime_hit_rate,
                 "call_by_call": hit_rate(decode, prior, planned=frozenset(), prefer_settled=False),
                 "step_order": hit_rate(decode, prior, planned=planned, prefer_settled=False),

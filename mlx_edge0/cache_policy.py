@@ -43,9 +43,27 @@ SETTLED_SPAN = 8
 class LRUPolicy:
     """Evict the least recently used bundle."""
 
+    name = "lru"
+
     def __init__(self, capacity: int):
         self.clock = 0
         self.last: dict[Hashable, int] = {}
+
+    def state(self) -> dict:
+        """What the policy has learned, JSON-able (each key a list): a replay
+        that restores it (:meth:`restore`) ranks as the runtime did then."""
+        return {"policy": self.name, "clock": self.clock, "last": [[list(k), v] for k, v in self.last.items()]}
+
+    def restore(self, state: Mapping) -> None:
+        """Learn what :meth:`state` recorded, of a policy of this kind.
+
+        Raises:
+            ValueError: ``state`` is another policy's.
+        """
+        if state.get("policy") != self.name:
+            raise ValueError(f"a {state.get('policy')!r} policy's state cannot start a {self.name!r} policy")
+        self.clock = int(state["clock"])
+        self.last = {tuple(k): int(v) for k, v in state["last"]}
 
     def touch(self, keys: Iterable[Hashable]) -> None:
         for k in keys:
@@ -94,6 +112,8 @@ class FrequencyPolicy(LRUPolicy):
     long LFU remembers"): a shorter memory forgets popular experts between
     their uses, a longer one (or none) keeps stale ones when the text changes."""
 
+    name = "lfu"
+
     def __init__(self, capacity: int, aging: int = LFU_AGING):
         super().__init__(capacity)
         self.count: dict[Hashable, float] = {}  # each key's uses, each weighted by its cost
@@ -139,6 +159,17 @@ class FrequencyPolicy(LRUPolicy):
             if k in self.count:
                 self.count[k] *= cost / self.cost.get(k, 1.0)
             self.cost[k] = float(cost)
+
+    def state(self) -> dict:
+        return super().state() | {
+            "count": [[list(k), c] for k, c in self.count.items()],
+            "cost": [[list(k), c] for k, c in self.cost.items()],
+        }
+
+    def restore(self, state: Mapping) -> None:
+        super().restore(state)
+        self.count = {tuple(k): float(c) for k, c in state["count"]}
+        self.cost = {tuple(k): float(c) for k, c in state["cost"]}
 
     def priority(self, key: Hashable):
         return self.count.get(key, 0.0), self.last.get(key, 0)

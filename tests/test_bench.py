@@ -268,6 +268,30 @@ def test_hot_arm_replays_its_decode_trace_against_beladys_min():
     assert replay["ceiling"] == pytest.approx(1 - sum(p["locality"]["distinct"][1:]) / (6 * 24))
 
 
+@pytest.mark.parametrize("arm", ["edge0-hot@0.0005", "edge0-prerouter@0.00085"])
+def test_the_replay_from_the_runtimes_policy_state_is_what_the_runtime_served(arm):
+    """The record keeps what the runtime's LFU had learned when the timed
+    decode began (the prompt's and warm-up's uses), so its replay from that
+    start serves what the runtime served, to the routing, in a cache that
+    evicts: the default model's 96 bundles in 34 rows (hot) and in 59 rows
+    whose prerouted layers (1-5) are placed when each step opens."""
+    from mlx_edge0.bench.eviction import RecordedDecode, simulate
+    from mlx_edge0.default_model import default_checkpoint
+    from mlx_edge0.telemetry import hot_hit_rate
+
+    r = run_child(RunSpec(arm, default_checkpoint(), 8, 16, "float32", 0), timeout_s=120)
+    assert r["ok"], r.get("stderr_tail")
+    decode = RecordedDecode.of(r)
+    assert decode.capacity == (34 if "hot" in arm else 59)
+    assert decode.planned == (frozenset() if "hot" in arm else frozenset({1, 2, 3, 4, 5}))
+    assert decode.policy_state["policy"] == "lfu" and decode.policy_state["clock"] > 0
+    served = hot_hit_rate(r["counters_per_token"])
+    start = r["eviction_replay"]["from_start"]
+    assert served < start["hit_rate"]["min"] <= start["ceiling"]  # it evicted, and not as MIN would
+    assert start["hit_rate"]["lfu"] == pytest.approx(served, abs=1e-12)
+    assert simulate(decode.trace, decode.capacity, "lfu", **decode.runtime_start()).hit_rate == start["hit_rate"]["lfu"]
+
+
 def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):
     path = small_ckpts["qwen3-30b-a3b"]
     opts = BenchOptions(

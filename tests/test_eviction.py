@@ -224,6 +224,26 @@ def test_victims_are_the_first_of_a_stable_sort_by_priority(touches, prior, cand
         assert policy.victims(candidates, n) == sorted(candidates, key=policy.priority)[:n]
 
 
+def test_a_policy_restored_from_its_state_ranks_and_learns_as_the_original():
+    """A replay that starts from the runtime policy's ``state`` (JSON and
+    back: keys become lists) ranks as it did, and goes on the same: counts,
+    costs, recency and the halving clock are all in it."""
+    keys = [(layer, e) for layer in range(3) for e in range(5)]
+    for cls in (LRUPolicy, FrequencyPolicy):
+        original = cls(4)
+        original.add_prior({(0, 1): 3.0, (2, 4): 1.5})
+        original.set_cost([(0, e) for e in range(5)], WAITED_MISS_COST)
+        original.touch([keys[i % 7 * 2] for i in range(150)])  # past 2 halvings of LFU's 64-touch period
+        restored = cls(4)
+        restored.restore(json.loads(json.dumps(original.state())))
+        for policy in (original, restored):
+            policy.touch([(1, 3), (0, 2), (1, 3), (2, 2)] * 30)  # (0, 2)'s uses weigh its cost
+        assert restored.victims(keys, 15) == original.victims(keys, 15)
+        assert [restored.priority(k) for k in keys] == [original.priority(k) for k in keys]
+    with pytest.raises(ValueError, match="a 'lru' policy's state cannot start a 'lfu' policy"):
+        FrequencyPolicy(4).restore(LRUPolicy(4).state())
+
+
 def test_a_settled_victim_goes_first_among_the_lowest_ranked_only():
     """LRU over keys 0..19 touched in order: 0 is the victim. A settled key
     among the SETTLED_SPAN x misses lowest goes first, in the policy's

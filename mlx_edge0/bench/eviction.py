@@ -196,6 +196,7 @@ def make_policy(
     prior: Optional[Mapping[Key, float]] = None,
     waited: AbstractSet[Key] = frozenset(),
     waited_cost: float = WAITED_MISS_COST,
+    state: Optional[Mapping] = None,
 ):
     """The victim chooser called ``name`` (one of :data:`POLICY_NAMES`, or
     :data:`POPULARITY` with ``popularity`` given); LFU's counts halve every
@@ -203,10 +204,15 @@ def make_policy(
     runtime's policies start from (a routing profile's,
     :func:`mlx_edge0.popularity.prior_counts`); ``waited``: keys whose misses
     the runtime waits for, each use worth ``waited_cost``
-    (:meth:`mlx_edge0.cache_policy.FrequencyPolicy.set_cost`)."""
+    (:meth:`mlx_edge0.cache_policy.FrequencyPolicy.set_cost`); ``state``: a
+    runtime policy's :meth:`~mlx_edge0.cache_policy.LRUPolicy.state`, which
+    a policy of its kind starts from instead (its prior and costs are in it)."""
 
     def base(base_name: str) -> LRUPolicy:
         policy = FrequencyPolicy(capacity, lfu_aging) if base_name == "lfu" else POLICIES[base_name](capacity)
+        if state is not None and state.get("policy") == base_name:
+            policy.restore(state)
+            return policy
         if prior:
             policy.add_prior(prior)
         if waited:
@@ -244,6 +250,7 @@ def simulate(
     planned: AbstractSet[int] = frozenset(),
     prefer_settled: bool = True,
     settled_span: int = SETTLED_SPAN,
+    policy_state: Optional[Mapping] = None,
 ) -> CacheResult:
     """Replay ``trace`` through a cache of ``capacity`` slots under ``policy``.
 
@@ -276,6 +283,12 @@ def simulate(
             (:func:`mlx_edge0.cache_policy.plan_fill`): bundles of a layer
             that has routed in this token, among ``settled_span`` x misses
             of the lowest ranked (the runtime's by default).
+        policy_state: what the runtime's policy had learned when the trace
+            began (:meth:`mlx_edge0.cache_policy.LRUPolicy.state`: the
+            prompt's and warm-up's uses, the prior, the costs); a policy of
+            its kind starts from it instead of ``prior`` and ``waited``'s
+            costs, so with the runtime's start it replays what the runtime
+            served.
 
     Raises:
         ValueError: the capacity left by ``permanent`` is smaller than a
@@ -305,6 +318,7 @@ def simulate(
         prior,
         waited,
         waited_cost,
+        policy_state,
     )
     cached: dict[Key, int] = {k: row for row, k in enumerate(start)}
     free = list(range(len(cached), capacity))
@@ -359,8 +373,10 @@ class RecordedDecode:
             opened (empty in records made before the bench recorded them:
             they replay call by call).
         runtime_hit_rate: the share of the decode's routings the runtime
-            served from its cache (it also knew the prompt's and warm-up's
-            uses, which a replay from this start does not).
+            served from its cache.
+        policy_state: what the runtime's policy had learned when the decode
+            began (the prompt's and warm-up's uses among it; None in records
+            made before the bench kept it): :meth:`runtime_start`.
     """
 
     trace: RoutingTrace
@@ -370,11 +386,19 @@ class RecordedDecode:
     runtime_hit_rate: float
     waited: frozenset[Key] = frozenset()
     planned: frozenset[int] = frozenset()
+    policy_state: Optional[dict] = None
 
     def start(self) -> dict:
         """``simulate``'s keyword arguments for the cache this decode began
-        with, and the order the runtime placed its bundles in."""
+        with, and the order the runtime placed its bundles in; the policy
+        starts from the counts a replay gives it (``prior``)."""
         return {"permanent": self.permanent, "resident": self.resident, "waited": self.waited, "planned": self.planned}
+
+    def runtime_start(self) -> dict:
+        """:meth:`start` with the runtime's policy as it was then, where the
+        record kept it: its kind replays what the runtime served (a
+        ``prior`` given beside it is not used)."""
+        return self.start() | {"policy_state": self.policy_state}
 
     @classmethod
     def of(cls, run: Mapping) -> Optional["RecordedDecode"]:
@@ -393,6 +417,7 @@ class RecordedDecode:
             float("nan") if rate is None else rate,
             frozenset(tuple(k) for k in replay.get("waited_keys", [])),
             frozenset(replay.get("planned_layers", [])),
+            replay.get("policy_at_start"),
         )
 
 
@@ -430,6 +455,7 @@ def compare(
     waited: AbstractSet[Key] = frozenset(),
     planned: AbstractSet[int] = frozenset(),
     prior: Optional[Mapping[Key, float]] = None,
+    policy_state: Optional[Mapping] = None,
 ) -> list[CacheResult]:
     """Every policy at every capacity (capacities whose rows left by
     ``permanent`` are fewer than a routed set, or too few for ``resident``,
@@ -449,6 +475,7 @@ def compare(
             waited=waited,
             planned=planned,
             prior=prior,
+            policy_state=policy_state,
         )
         for c in capacities
         if c - len(permanent) >= largest and c >= start

@@ -176,7 +176,14 @@ REPLAYED_POLICIES = ("lfu", "lru", "min", "lfu+next")
 
 
 def _eviction_replay(
-    trace, capacity: int, permanent: frozenset, resident: list, waited: frozenset, planned: frozenset, prior: dict
+    trace,
+    capacity: int,
+    permanent: frozenset,
+    resident: list,
+    waited: frozenset,
+    planned: frozenset,
+    prior: dict,
+    policy_state: dict,
 ) -> dict:
     """The decode trace replayed through a cache of the run's hot capacity
     (rows) under :data:`REPLAYED_POLICIES`: how far the policy
@@ -188,7 +195,10 @@ def _eviction_replay(
     ``planned`` layers' when each step opens and starts from the routing
     profile's counts (``prior``), as the runtime's does. The record keeps
     whether there were any (``popularity_prior``), not the counts: an offline
-    replay recomputes them from the checkpoint's profile."""
+    replay recomputes them from the checkpoint's profile. From the start, the
+    runtime's kind of policy starts from what the runtime's had learned then
+    (``policy_state``, kept as ``policy_at_start``: the prompt's and warm-up's
+    uses too), so its replay is what the runtime served."""
     from .eviction import ceiling, compare
 
     out = {
@@ -201,12 +211,15 @@ def _eviction_replay(
         "waited_keys": sorted(waited),
         "planned_layers": sorted(planned),
         "popularity_prior": bool(prior),
+        "policy_at_start": policy_state,
     }
     replayed = {"permanent": permanent, "waited": waited, "planned": planned, "prior": prior or None}
     results = compare(trace, [capacity], REPLAYED_POLICIES, **replayed)
     if results:  # none when a routed set is bigger than the cache (the runtime bypasses it then)
         out.update(hit_rate={r.policy: r.hit_rate for r in results}, ceiling=ceiling(trace, permanent))
-        started = compare(trace, [capacity], REPLAYED_POLICIES, resident=resident, **replayed)
+        started = compare(
+            trace, [capacity], REPLAYED_POLICIES, resident=resident, policy_state=policy_state, **replayed
+        )
         out["from_start"] = {
             "resident": len(set(resident) - permanent),
             "hit_rate": {r.policy: r.hit_rate for r in started},
@@ -324,6 +337,7 @@ def measure(spec: RunSpec) -> dict:
         mx.reset_peak_memory()
         start["counters"] = _counters(model)
         start["resident"] = [] if hot is None else list(hot.row_of)  # filled by the prompt and warm-up
+        start["policy"] = None if hot is None else hot.policy.state()  # and what it learned from them
         if hot is not None:
             record["held_at_decode_start"] = len(hot.held)  # released to the policy since: held_released
         start["device"] = device_read_bytes()
@@ -379,6 +393,7 @@ def measure(spec: RunSpec) -> dict:
                 frozenset(hot.waited),
                 planned,
                 hot.prior,
+                start["policy"],
             )
 
     decode_s = sum(steps)
