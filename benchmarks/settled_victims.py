@@ -9,10 +9,11 @@ such settled bundles first among the lowest ranked
 (``mlx_edge0.cache_policy.plan_fill``, ``SETTLED_SPAN``).
 
 This replays recorded decodes (``edge0 bench`` results JSON, ``--bench``)
-from the cache each began with, LFU told of the checkpoint's routing profile
-as the runtime is (``--profile CHECKPOINT``) or, where the record kept it,
-starting from what the runtime's LFU had learned by then (``policy_at_start``:
-the prompt's and warm-up's uses too; ``--profile`` is then not needed), three ways: call by call with no
+from the cache each began with. LFU is told of the checkpoint's routing
+profile as the runtime is (``--profile CHECKPOINT``) or, where the record
+kept it, starts from what the runtime's LFU had learned by then
+(``policy_at_start``: the prompt's and warm-up's uses too; ``--profile`` is
+then not needed). Three ways: call by call with no
 preference (the replay the bench made before it modelled the step's order),
 in the runtime's order with no preference (the runtime before the change),
 and in the runtime's order with settled victims first at each span
