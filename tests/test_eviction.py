@@ -425,6 +425,14 @@ def test_settled_victims_replays_a_record_in_each_order_and_names_an_older_recor
     assert (row["call_by_call"], row["step_order"], row["min"], row["runtime_hit_rate"]) == (0.25, 0.0, 0.25, 0.25)
     assert row["settled_first"] == {"1": 0.0, "8": 0.25, "0": 0.25} and row["planned_layers"] == [1]
     assert "| 0.250 | 0.250 | 0.000 | 0.000 | 0.250 | 0.250 | 0.250 |" in done.stdout
+    # A record that kept its LFU's state starts from it: told (0, 0) was used 10 times, the
+    # runtime's order evicts (1, 1) for the planned (1, 2) instead, and layer 0 hits.
+    state = {"policy": "lfu", "clock": 0, "last": [], "count": [[[0, 0], 10.0]], "cost": []}
+    kept = run | {"eviction_replay": run["eviction_replay"] | {"policy_at_start": state}}
+    results.write_text(json.dumps({"runs": [kept]}))
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["from_runtime_state"] is True and row["step_order"] == 0.25
     for bad in ("-1", "a", ""):
         with pytest.raises(SystemExit, match="--spans: give whole numbers"):
             script.parse_spans(bad)
