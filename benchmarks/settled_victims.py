@@ -29,13 +29,11 @@ instead). Prints a table and writes JSON:
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
-from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
-from mlx_edge0.checkpoint import CheckpointError
-from mlx_edge0.popularity import prior_counts, require_profile
+from mlx_edge0.bench.eviction import RecordedDecode, simulate
+from mlx_edge0.bench.replay_args import read_replay_inputs, replay_parser
+from mlx_edge0.popularity import prior_counts
 
 EVERY_SETTLED = 1 << 30  # a span that covers the whole cache: every settled bundle first
 
@@ -67,23 +65,11 @@ def parse_spans(text: str) -> list[int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", type=Path, action="append", required=True, help="an edge0 bench results JSON")
-    p.add_argument("--profile", type=Path, help="the decodes' checkpoint, with popularity.safetensors")
+    p = replay_parser(__doc__)
     p.add_argument("--spans", default="4,8,16,32,0", help="spans to replay (0: every settled bundle first)")
-    p.add_argument("--out", type=Path, help="write the results here (JSON)")
     a = p.parse_args()
-    profile = None
-    if a.profile is not None:
-        try:
-            profile = require_profile(a.profile)
-        except CheckpointError as e:
-            raise SystemExit(str(e)) from None
     spans = parse_spans(a.spans)
-    try:
-        recorded = [(path, recorded_decodes(path)) for path in a.bench]
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    profile, recorded = read_replay_inputs(a)
     rows = []
     print(
         "| decode | tokens | runtime | call by call | step order | "

@@ -20,15 +20,13 @@ misses per token (each one a read). Prints a table and writes JSON:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-from pathlib import Path
 from typing import Optional
 
-from mlx_edge0.bench.eviction import RecordedDecode, recorded_decodes, simulate
-from mlx_edge0.checkpoint import CheckpointError
-from mlx_edge0.popularity import prior_counts, require_profile
+from mlx_edge0.bench.eviction import RecordedDecode, simulate
+from mlx_edge0.bench.replay_args import read_replay_inputs, replay_parser
+from mlx_edge0.popularity import prior_counts
 
 
 def waited_keys(run: dict, decode: RecordedDecode) -> frozenset:
@@ -70,23 +68,11 @@ def parse_costs(text: str) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", type=Path, action="append", required=True, help="an edge0 bench results JSON")
-    p.add_argument("--profile", type=Path, help="the decodes' checkpoint, with popularity.safetensors")
+    p = replay_parser(__doc__)
     p.add_argument("--costs", default="1,1.5,2,4,inf", help="waited costs to replay (inf: permanent)")
-    p.add_argument("--out", type=Path, help="write the results here (JSON)")
     a = p.parse_args()
-    profile = None
-    if a.profile is not None:
-        try:
-            profile = require_profile(a.profile)
-        except CheckpointError as e:
-            raise SystemExit(str(e)) from None
     costs = parse_costs(a.costs)
-    try:
-        recorded = [(path, recorded_decodes(path)) for path in a.bench]
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    profile, recorded = read_replay_inputs(a)
     rows = []
     print("| decode | tokens | " + " | ".join(f"cost {c:g}" for c in costs) + " | MIN |")
     print("|---|---|" + "---|" * (len(costs) + 1))

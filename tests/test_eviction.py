@@ -439,3 +439,36 @@ def test_settled_victims_replays_a_record_in_each_order_and_names_an_older_recor
     bad = subprocess.run(cmd[:2] + ["--bench", str(tmp_path / "missing.json")], capture_output=True, text=True)
     assert bad.returncode != 0 and "missing.json: not an edge0 bench results file" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_gap_by_length_replays_each_prefix_from_the_runtimes_state(tmp_path):
+    """``benchmarks/gap_by_length.py`` on one layer routing experts 0, 1, 2, 0
+    through 2 rows: over the first 3 tokens every routing is a first use;
+    over all 4, LFU told by the kept state that 0 was used 10 times keeps it
+    for its return, as MIN does (1 hit of 4), where LFU from nothing evicts
+    it, the oldest (0 hits, 25 points from MIN). A length past the decode is
+    left out."""
+    script = load_benchmark_script("gap_by_length")
+    trace = RoutingTrace((0,), 3, 1, (((0,),), ((1,),), ((2,),), ((0,),)))
+    state = {"policy": "lfu", "clock": 0, "last": [], "count": [[[0, 0], 10.0]], "cost": []}
+    replay = {"capacity": 2, "permanent_keys": [], "resident_keys": []}
+    run = {"arm": "edge0-hot+bypass", "round": 0, "routing": trace.as_dict(), "eviction_replay": replay}
+    runs = [run | {"decode_counters": {"hot_hits": h, "hot_misses": 4 - h}} for h in (1, 0)]
+    runs[0]["eviction_replay"] = replay | {"policy_at_start": state}
+    results, out = tmp_path / "results.json", tmp_path / "out.json"
+    results.write_text(json.dumps({"runs": runs}))
+    script_path = Path(__file__).parent.parent / "benchmarks" / "gap_by_length.py"
+    cmd = [sys.executable, str(script_path), "--bench", str(results), "--lengths", "3,4,5", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    kept, cold = json.loads(out.read_text())["rows"]
+    assert (kept["from_runtime_state"], cold["from_runtime_state"]) == (True, False)
+    assert [(g["tokens"], g["policy"], g["min"], g["gap_points"]) for g in kept["lengths"]] == [
+        (3, 0.0, 0.0, 0.0),
+        (4, 0.25, 0.25, 0.0),
+    ]
+    assert [(g["policy"], g["gap_points"]) for g in cold["lengths"]] == [(0.0, 0.0), (0.0, 25.0)]
+    assert "| yes | 0.250 | 0.000 / 0.000 (0.0) | 0.250 / 0.250 (0.0) | - |" in done.stdout
+    for bad in ("0", "a", "", "96,32"):
+        with pytest.raises(SystemExit, match="--lengths: give increasing whole numbers"):
+            script.parse_lengths(bad)
