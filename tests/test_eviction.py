@@ -208,7 +208,7 @@ def test_a_waited_bundle_outranks_a_prerouted_one_used_about_as_often():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    touches=st.lists(st.sampled_from("abcdef"), max_size=60),
+    touches=st.lists(st.sampled_from("abcdef"), max_size=150),
     prior=st.dictionaries(st.sampled_from("abcdefxy"), st.sampled_from([0.5, 1.0, 2.0]), max_size=4),
     candidates=st.lists(st.sampled_from("abcdefxyz"), unique=True),
     n=st.integers(0, 10),
@@ -233,11 +233,11 @@ def test_a_policy_restored_from_its_state_ranks_and_learns_as_the_original():
         original = cls(4)
         original.add_prior({(0, 1): 3.0, (2, 4): 1.5})
         original.set_cost([(0, e) for e in range(5)], WAITED_MISS_COST)
-        original.touch([keys[i % 7 * 2] for i in range(150)])  # past 2 halvings of LFU's 64-touch period
+        original.touch([keys[i % 7 * 2] for i in range(150)])  # LFU at 4 rows halves every 128 touches
         restored = cls(4)
         restored.restore(json.loads(json.dumps(original.state())))
         for policy in (original, restored):
-            policy.touch([(1, 3), (0, 2), (1, 3), (2, 2)] * 30)  # (0, 2)'s uses weigh its cost
+            policy.touch([(1, 3), (0, 2), (1, 3), (2, 2)] * 30)  # the next halving; (0, 2)'s uses weigh its cost
         assert restored.victims(keys, 15) == original.victims(keys, 15)
         assert [restored.priority(k) for k in keys] == [original.priority(k) for k in keys]
     with pytest.raises(ValueError, match="a 'lru' policy's state cannot start a 'lfu' policy"):
