@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AbstractSet, Mapping, Optional, Sequence
+from typing import AbstractSet, Callable, Mapping, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -130,6 +130,16 @@ class HotCache:
             self.store.telemetry.current.held_released += len(self.held)
             self.held = set()
 
+    def _plan(
+        self, keys: list[Key], unevictable: AbstractSet[Key], settled: Optional[Callable[[Key], bool]] = None
+    ) -> tuple[dict[Key, int], list[Key]]:
+        """:func:`plan_fill` over this cache's rows, its host time counted
+        (``planning_s``): every victim choice of a call or a read ahead."""
+        started = time.perf_counter()
+        planned = plan_fill(keys, self.row_of, self.free, self.policy, unevictable, settled)
+        self.store.telemetry.current.planning_s += time.perf_counter() - started
+        return planned
+
     def _make_room(self, layer: int, keys: list[Key]) -> dict[Key, int]:
         """Rows for the keys of ``keys`` (a routed set of ``layer``) that are
         not resident: free rows, then victims, settled ones first; the
@@ -137,9 +147,7 @@ class HotCache:
         if self.held:
             self._release_held(sum(k not in self.row_of for k in dict.fromkeys(keys)))
         self.routed.add(layer)
-        started = time.perf_counter()
-        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, self._unevictable(), self._settled)
-        self.store.telemetry.current.planning_s += time.perf_counter() - started
+        placed, evicted = self._plan(keys, self._unevictable(), self._settled)
         for k in evicted:
             del self.row_of[k]
             self.policy.forget(k)
@@ -362,9 +370,7 @@ class HotCache:
         keys = keys[:spare]
         if not keys:
             return 0
-        started = time.perf_counter()
-        placed, evicted = plan_fill(keys, self.row_of, self.free, self.policy, unevictable)
-        self.store.telemetry.current.planning_s += time.perf_counter() - started
+        placed, evicted = self._plan(keys, unevictable)
         free_rows = len(placed) - len(evicted)
         self.free = self.free[free_rows:]
         displaced = [None] * free_rows + evicted
