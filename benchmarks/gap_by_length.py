@@ -20,19 +20,14 @@ import dataclasses
 import json
 
 from mlx_edge0.bench.eviction import RecordedDecode, simulate
-from mlx_edge0.bench.replay_args import read_replay_inputs, replay_parser
+from mlx_edge0.bench.replay_args import comma_list, read_replay_inputs, replay_parser
 from mlx_edge0.popularity import prior_counts
 
 
 def parse_lengths(text: str) -> list[int]:
     """``--lengths``: comma-separated whole numbers >= 1, in increasing order."""
-    try:
-        lengths = [int(c) for c in text.split(",")]
-    except ValueError:
-        lengths = []
-    if not lengths or any(n < 1 for n in lengths) or lengths != sorted(set(lengths)):
-        raise SystemExit(f"--lengths: give increasing whole numbers >= 1 separated by commas, got {text!r}")
-    return lengths
+    rule = "increasing whole numbers >= 1 separated by commas"
+    return comma_list(text, "--lengths", int, lambda ns: ns[0] >= 1 and ns == sorted(set(ns)), rule)
 
 
 def gap_at(decode: RecordedDecode, tokens: int, prior) -> dict:

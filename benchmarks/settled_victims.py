@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 
 from mlx_edge0.bench.eviction import RecordedDecode, simulate
-from mlx_edge0.bench.replay_args import read_replay_inputs, replay_parser
+from mlx_edge0.bench.replay_args import comma_list, read_replay_inputs, replay_parser
 from mlx_edge0.popularity import prior_counts
 
 EVERY_SETTLED = 1 << 30  # a span that covers the whole cache: every settled bundle first
@@ -55,13 +55,8 @@ def hit_rate(decode: RecordedDecode, prior, **order) -> float:
 
 def parse_spans(text: str) -> list[int]:
     """``--spans``: comma-separated whole numbers >= 1, or 0 (every settled bundle first)."""
-    try:
-        spans = [int(c) for c in text.split(",")]
-    except ValueError:
-        spans = []
-    if not spans or any(s < 0 for s in spans):
-        raise SystemExit(f"--spans: give whole numbers >= 0 separated by commas (0: no limit), got {text!r}")
-    return spans
+    rule = "whole numbers >= 0 separated by commas (0: no limit)"
+    return comma_list(text, "--spans", int, lambda spans: all(s >= 0 for s in spans), rule)
 
 
 def main() -> None:

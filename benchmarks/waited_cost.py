@@ -25,7 +25,7 @@ import math
 from typing import Optional
 
 from mlx_edge0.bench.eviction import RecordedDecode, simulate
-from mlx_edge0.bench.replay_args import read_replay_inputs, replay_parser
+from mlx_edge0.bench.replay_args import comma_list, read_replay_inputs, replay_parser
 from mlx_edge0.popularity import prior_counts
 
 
@@ -58,13 +58,8 @@ def replay(decode: RecordedDecode, waited: frozenset, cost: float, prior) -> Opt
 
 def parse_costs(text: str) -> list[float]:
     """``--costs``: comma-separated positive numbers, ``inf`` allowed."""
-    try:
-        costs = [float(c) for c in text.split(",")]
-    except ValueError:
-        costs = []
-    if not costs or any(not c > 0 for c in costs):
-        raise SystemExit(f"--costs: give positive numbers separated by commas (inf: permanent), got {text!r}")
-    return costs
+    rule = "positive numbers separated by commas (inf: permanent)"
+    return comma_list(text, "--costs", float, lambda costs: all(c > 0 for c in costs), rule)
 
 
 def main() -> None:

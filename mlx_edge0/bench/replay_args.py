@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from ..popularity import RoutingProfile, require_profile
 from .eviction import RecordedDecode, recorded_decodes
 
 Recorded = list[tuple[Path, list[tuple[dict, RecordedDecode]]]]
+Number = TypeVar("Number", int, float)
 
 
 def replay_parser(doc: str) -> argparse.ArgumentParser:
@@ -33,3 +34,18 @@ def read_replay_inputs(args: argparse.Namespace) -> tuple[Optional[RoutingProfil
         return profile, [(path, recorded_decodes(path)) for path in args.bench]
     except ValueError as e:
         raise SystemExit(str(e)) from None
+
+
+def comma_list(
+    text: str, flag: str, number: Callable[[str], Number], valid: Callable[[list[Number]], bool], rule: str
+) -> list[Number]:
+    """A script knob's comma-separated numbers (``number`` reads each one),
+    which ``valid`` must accept as a whole. Exits with ``flag``, what to give
+    (``rule``) and what was given, never a traceback."""
+    try:
+        values = [number(c) for c in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not valid(values):
+        raise SystemExit(f"{flag}: give {rule}, got {text!r}")
+    return values
