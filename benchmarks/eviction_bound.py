@@ -20,7 +20,9 @@ Every replay starts empty; longer traces show the steady state.
 
 ``--bench RESULTS.json`` replays, beside them, the decodes an ``edge0 bench``
 run recorded, each from the cache it began with and at its rows, under the
-same policies; ``popularity`` there is each expert's share of that very
+same policies (the runtime's LFU, and ``lfu+next``, from the state it had
+then, where the record kept it: the prompt's and warm-up's uses, the
+profile's counts); ``popularity`` there is each expert's share of that very
 decode's routings (measured on the trace it is replayed on, so it knows in
 advance what a learning cache must estimate): what no victim choice that
 knows only popularity can beat on average.
@@ -73,15 +75,18 @@ def replay(layers: int, experts: int, k: int, capacity: int, tokens: int, seed: 
 
 
 def replay_recorded(path: Path, run: dict, decode: RecordedDecode) -> dict:
-    """Every policy on one bench run's decode, from the cache it began with."""
-    start = decode.start()
+    """Every policy on one bench run's decode, from the cache it began with;
+    the runtime's kind of policy (and ``lfu+next``, built on it) from what it
+    had learned then, where the record kept it, so that one replays what
+    the runtime served."""
+    start = decode.runtime_start()
     popularity = measured_popularity(decode.trace)
     hit_rate = {
         p: simulate(decode.trace, decode.capacity, p, popularity=popularity, **start).hit_rate for p in POLICIES
     }
     summary = LocalitySummary.of(decode.trace)
     return {
-        "run": f"{path.name}: {run['arm']} round {run['round']}",
+        "run": f"{path.parent.name}/{path.name}: {run['arm']} round {run['round']}",
         "tokens": len(decode.trace.tokens),
         "capacity": decode.capacity,
         "distinct": summary.mean("distinct"),
@@ -89,6 +94,7 @@ def replay_recorded(path: Path, run: dict, decode: RecordedDecode) -> dict:
         "ceiling": ceiling(decode.trace, decode.permanent, decode.resident),
         "hit_rate": hit_rate,
         "runtime_hit_rate": decode.runtime_hit_rate,
+        "from_runtime_state": decode.policy_state is not None,
     }
 
 

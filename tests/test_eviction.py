@@ -472,3 +472,24 @@ def test_gap_by_length_replays_each_prefix_from_the_runtimes_state(tmp_path):
     for bad in ("0", "a", "", "96,32"):
         with pytest.raises(SystemExit, match="--lengths: give increasing whole numbers"):
             script.parse_lengths(bad)
+
+
+def test_eviction_bound_replays_a_recorded_decode_from_the_runtimes_state():
+    """``benchmarks/eviction_bound.py``'s recorded replay, on one layer routing
+    experts 0, 1, 2, 0 through 2 rows: LFU told by the kept state that 0 was
+    used 10 times keeps it for its return (1 hit of 4, as MIN and the
+    decode's own popularity do), and so does ``lfu+next`` built on it; LRU,
+    which the state is not, evicts 0, the oldest, and so does LFU in the
+    record that kept no state."""
+    script = load_benchmark_script("eviction_bound")
+    trace = RoutingTrace((0,), 3, 1, (((0,),), ((1,),), ((2,),), ((0,),)))
+    state = {"policy": "lfu", "clock": 0, "last": [], "count": [[[0, 0], 10.0]], "cost": []}
+    replay = {"capacity": 2, "permanent_keys": [], "resident_keys": []}
+    run = {"arm": "edge0-hot+bypass", "round": 0, "routing": trace.as_dict(), "eviction_replay": replay}
+    run["decode_counters"] = {"hot_hits": 1, "hot_misses": 3}
+    kept = RecordedDecode.of(run | {"eviction_replay": replay | {"policy_at_start": state}})
+    cold = RecordedDecode.of(run)
+    rows = [script.replay_recorded(Path("r.json"), run, d) for d in (kept, cold)]
+    assert [r["from_runtime_state"] for r in rows] == [True, False]
+    assert rows[0]["hit_rate"] == {"lru": 0.0, "lfu": 0.25, "lfu+next": 0.25, "popularity": 0.25, "min": 0.25}
+    assert (rows[1]["hit_rate"]["lfu"], rows[1]["hit_rate"]["min"]) == (0.0, 0.25)
