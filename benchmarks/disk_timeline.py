@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from mlx_edge0.bench.measure import WARMUP_STEPS
+from mlx_edge0.bench.run_spec import WARMUP_STEPS
 
 GAP_S = 0.02
 
@@ -39,7 +39,8 @@ GAP_S = 0.02
 def child(a: argparse.Namespace) -> None:
     """Measure the arm with reads and forward opens timed; write the JSON."""
     import mlx_edge0.store as store
-    from mlx_edge0.bench.measure import RunSpec, measure
+    from mlx_edge0.bench.measure import measure
+    from mlx_edge0.bench.run_spec import RunSpec
     from mlx_edge0.prerouting import Prerouting
     from mlx_edge0.telemetry import Telemetry
 
@@ -134,7 +135,7 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         return child(a)
-    from mlx_edge0.bench.measure import checkpoint_files, drop_page_cache
+    from mlx_edge0.bench.run_spec import checkpoint_files, drop_page_cache
     from mlx_edge0.bench.regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
     regime = Regime(a.memory_cap, a.read_mbps)

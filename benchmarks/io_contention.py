@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_edge0.bench.measure import drop_page_cache
+from mlx_edge0.bench.run_spec import drop_page_cache
 from mlx_edge0.checkpoint import Edge0Section, read_config
 from mlx_edge0.bench.summary import stats_of
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_edge0.bench.measure import device_read_bytes
+from mlx_edge0.bench.run_spec import device_read_bytes
 from mlx_edge0.options import parse_cache_gib
 
 WARMUP = 2

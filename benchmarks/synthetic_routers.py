@@ -1,6 +1,6 @@
 """Locality of ``edge0 bench synth --routing {random,uniform,calibrated}`` checkpoints,
 as the bench sees it: stock mlx-lm (float32) prefills a 32-token seeded random
-prompt, then decodes teacher-forced (``measure.forced_tokens``, 2 warm-up
+prompt, then decodes teacher-forced (``run_spec.forced_tokens``, 2 warm-up
 steps), recording each decoded token's routed experts per MoE layer
 (``synthetic_router.teacher_forced_trace``). Prints a markdown table of
 distinct experts per layer, token-to-token reuse and 90% coverage over the
@@ -64,7 +64,7 @@ def default_model_rows(tokens: int) -> list[str]:
 
     import mlx_edge0
     from mlx_edge0.bench.locality import RoutingTrace
-    from mlx_edge0.bench.measure import WARMUP_STEPS, forced_tokens
+    from mlx_edge0.bench.run_spec import WARMUP_STEPS, forced_tokens
 
     path = default_checkpoint()
     model = mlx_edge0.load_model(path, cache_gib=0, staged=False, prefill="exact", prerouter=False)

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from mlx_edge0.bench.commands import bench
-from mlx_edge0.bench.measure import RunSpec, forced_tokens
+from mlx_edge0.bench.run_spec import RunSpec, forced_tokens
 from mlx_edge0.bench.runner import BenchOptions, run_bench, run_child
 from mlx_edge0.bench.synth import SynthOptions, plan_shards, synth_checkpoint
 from mlx_edge0.bench.tables import markdown_table

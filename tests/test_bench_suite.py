@@ -26,7 +26,7 @@ from mlx_edge0.bench.charts import (
 )
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.arms import arm_base, arm_tier, parse_arm, split_arm, with_budget
-from mlx_edge0.bench.measure import RunSpec
+from mlx_edge0.bench.run_spec import RunSpec
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
 from mlx_edge0.bench.tables import agreement_note, arm_label, rate_digits, regime_table
 from mlx_edge0.bench.runner import BenchOptions, load_run, run_bench, runs_to_make

@@ -577,7 +577,7 @@ def test_bench_arms_run_on_the_gguf(peer, tmp_path):
     the GGUF found beside the stock checkpoint (STOCK.gguf)."""
     _needs_llama_cpp()
     from mlx_edge0.bench.arms import peer_gguf_path
-    from mlx_edge0.bench.measure import forced_tokens
+    from mlx_edge0.bench.run_spec import forced_tokens
     from mlx_edge0.bench.runner import BenchOptions, run_child
 
     assert peer_gguf_path(peer.src) == peer.path

@@ -148,7 +148,7 @@ def test_a_bench_run_of_a_profiled_checkpoint_replays_from_the_profiles_counts(c
     the runtime's LFU started from: the record says so, and its LFU from the
     decode's start is ``simulate``'s with those counts."""
     from mlx_edge0.bench.eviction import RecordedDecode
-    from mlx_edge0.bench.measure import RunSpec
+    from mlx_edge0.bench.run_spec import RunSpec
     from mlx_edge0.bench.runner import run_child
 
     section = _section(checkpoint)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_edge0.bench.measure import drop_page_cache
+from mlx_edge0.bench.run_spec import drop_page_cache
 from mlx_edge0.bench.regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 
 ALLOCATE = "import sys; blocks = [bytearray(64 << 20) for _ in range(int(sys.argv[1]))]; print('done')"

@@ -15,7 +15,7 @@ from ..progress import bar
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
 from .gguf_peer import RESIDENT_TYPES
 from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path, with_budget
-from .measure import DTYPES
+from .run_spec import DTYPES
 from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, load_run, run_bench
 from .summary import summarize

@@ -20,92 +20,30 @@ import cProfile
 import json
 import os
 import pstats
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .arms import PEER_ARMS, is_peer_arm, parse_arm
+from .arms import is_peer_arm, parse_arm
 from .decode_loop import pipelined_steps
+from .peer_measure import measure_llamacpp
+from .run_spec import (
+    DTYPES,
+    WARMUP_STEPS,
+    RunSpec,
+    checkpoint_files,
+    device_read_bytes,
+    drop_page_cache,
+    forced_tokens,
+    peak_rss_bytes,
+)
 
-DTYPES = ("float32", "bfloat16", "float16", "native")
-WARMUP_STEPS = 2
 PROFILE_TOP = 15
 # Counters kept per decode step (differences of the model's summed counters).
 STEP_COUNTERS = (
     "exposed_wait_ms", "prerouted_wait_ms", "expert_loads", "bytes_read", "reads", "hot_hits", "hot_misses",
     "staged_kept", "staged_copied", "staged_read", "prerouted",
 )  # fmt: skip
-
-
-def forced_tokens(vocab: int, count: int, seed: int) -> list[int]:
-    """The fixed token sequence a teacher-forced decode feeds, one per step
-    (the prompt is drawn from ``seed``, this from the next seed but one)."""
-    import numpy as np
-
-    return np.random.default_rng(seed + 2).integers(0, vocab, count).tolist()
-
-
-def checkpoint_files(root: Path) -> list[Path]:
-    if Path(root).is_file():  # a GGUF
-        return [Path(root)]
-    return sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def drop_page_cache(files: list[Path], sync: bool = False) -> bool:
-    """Ask the OS to drop ``files`` from the page cache; False where it cannot."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if sync:
-                os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What one child measures.
-
-    Attributes:
-        k: K on the prerouted layers of edge0 arms (0 = the heads' K); stock stays native.
-        warm_prefill: also time a second request in the same process.
-        evict_between_steps: drop the checkpoint's pages from the page cache
-            before every decode step (untimed): the page cache cannot help, as
-            when the checkpoint does not fit in memory.
-        profile: cProfile the decode steps (their times are then inflated).
-    """
-
-    arm: str
-    path: Path
-    prompt_tokens: int
-    decode_tokens: int
-    dtype: str
-    seed: int
-    k: int = 0
-    warm_prefill: bool = False
-    evict_between_steps: bool = False
-    profile: bool = False
-
-    def argv(self) -> list[str]:
-        flags = [
-            sys.executable, "-m", "mlx_edge0.bench.measure",
-            "--arm", self.arm, "--path", str(Path(self.path).resolve()),
-            "--prompt-tokens", str(self.prompt_tokens),
-            "--decode-tokens", str(self.decode_tokens),
-            "--dtype", self.dtype, "--seed", str(self.seed), "--k", str(self.k),
-        ]  # fmt: skip
-        for flag, on in (("--warm-prefill", self.warm_prefill),
-                         ("--evict-between-steps", self.evict_between_steps),
-                         ("--profile", self.profile)):  # fmt: skip
-            if on:
-                flags.append(flag)
-        return flags
 
 
 def _load(arm: str, path: Path, dtype: str, k: int = 0):
@@ -147,16 +85,6 @@ def _counters(model) -> Optional[dict]:
 def _reset_counters(model) -> None:
     if hasattr(model, "reset_stats"):
         model.reset_stats()
-
-
-def device_read_bytes() -> int:
-    """Bytes the kernel fetched from storage for this process so far (Linux
-    ``/proc/self/io``; page-cache hits cost none, read-ahead counts), or 0."""
-    try:
-        lines = Path("/proc/self/io").read_text().splitlines()
-    except OSError:
-        return 0
-    return next((int(line.split()[1]) for line in lines if line.startswith("read_bytes:")), 0)
 
 
 def _decode_trace(layers: list[int], steps: list[list[tuple[int, list[int]]]], num_experts: int, k: int):
@@ -226,13 +154,6 @@ def _eviction_replay(
             "ceiling": ceiling(trace, permanent, resident),
         }
     return out
-
-
-def _peak_rss_bytes() -> int:
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _profile_top(profile: cProfile.Profile, tokens: int) -> list[dict]:
@@ -425,78 +346,7 @@ def measure(spec: RunSpec) -> dict:
     peaks = ("load_peak_memory", "prefill_peak_memory", "decode_peak_memory", "warm_prefill_peak_memory")
     record["generate_peak_memory"] = max(record.get(k, 0) for k in peaks[1:])
     record["peak_memory"] = max(record.get(k, 0) for k in peaks)
-    record["peak_rss"] = _peak_rss_bytes()
-    record["tokens"] = tokens
-    return record
-
-
-def measure_llamacpp(spec: RunSpec) -> dict:
-    """The peer arm: llama.cpp on the GGUF at ``spec.path``, the same prompt as
-    the other arms, then a teacher-forced decode of :func:`forced_tokens`, as
-    every arm's (``tokens`` are llama.cpp's argmax at each position, not what
-    it was fed). There is no MLX
-    memory: ``peak_rss`` counts llama.cpp's buffers and the mmap'd weights it touched."""
-    import numpy as np
-
-    from mlx_edge0.options import available_memory
-
-    from .llamacpp import LlamaCppModel, llama_cpp_version
-
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    record = {
-        "arm": spec.arm,
-        "ok": True,
-        "available_memory_at_start": available_memory(),
-        "loadavg_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "llama_cpp_python": llama_cpp_version(),
-        "n_threads": threads,
-        "load_mode": PEER_ARMS[spec.arm],
-        "teacher_forced": True,
-    }
-    n_ctx = 2 * spec.prompt_tokens + WARMUP_STEPS + spec.decode_tokens
-    start = time.perf_counter()
-    model = LlamaCppModel(spec.path, load_mode=PEER_ARMS[spec.arm], n_threads=threads, n_ctx=n_ctx)
-    record["load_s"] = time.perf_counter() - start
-    record["model_bytes"] = model.model_bytes()
-    vocab = model.n_vocab
-
-    def request(seed: int) -> tuple[float, np.ndarray]:
-        prompt = np.random.default_rng(seed).integers(0, vocab, spec.prompt_tokens).tolist()
-        model.reset()
-        t0 = time.perf_counter()
-        logits = model.forward(prompt)
-        return time.perf_counter() - t0, logits
-
-    prefill_s, logits = request(spec.seed)
-    record.update(
-        prefill_s=prefill_s, prefill_tok_s=spec.prompt_tokens / prefill_s, ttft_s=prefill_s,
-        ttft_with_load_s=record["load_s"] + prefill_s, logits_finite=bool(np.isfinite(logits).all()),
-    )  # fmt: skip
-    tokens = [int(logits.argmax())]
-    fed = forced_tokens(vocab, WARMUP_STEPS + spec.decode_tokens, spec.seed)
-    for token in fed[:WARMUP_STEPS]:
-        tokens.append(int(model.forward([token]).argmax()))
-    evict = checkpoint_files(spec.path) if spec.evict_between_steps else []
-    steps = []
-    device_before = device_read_bytes()
-    for token in fed[WARMUP_STEPS:]:
-        if evict:
-            drop_page_cache(evict)
-        t0 = time.perf_counter()
-        tokens.append(int(model.forward([token]).argmax()))
-        steps.append(time.perf_counter() - t0)
-    decode_s = sum(steps)
-    record["device_bytes_per_token"] = (device_read_bytes() - device_before) / spec.decode_tokens
-    record.update(
-        decode_s=decode_s, decode_tok_s=spec.decode_tokens / decode_s,
-        decode_s_per_token=decode_s / spec.decode_tokens, decode_step_s=steps,
-        evicted_between_steps=bool(evict), profiled=False, fed_tokens=fed,
-    )  # fmt: skip
-    if spec.warm_prefill:
-        warm_s, _ = request(spec.seed + 1)
-        record.update(warm_prefill_s=warm_s, warm_prefill_tok_s=spec.prompt_tokens / warm_s, warm_ttft_s=warm_s)
-    model.close()
-    record["peak_rss"] = _peak_rss_bytes()
+    record["peak_rss"] = peak_rss_bytes()
     record["tokens"] = tokens
     return record
 

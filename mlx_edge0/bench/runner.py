@@ -25,7 +25,7 @@ from ..atomic import write_json_atomic
 from ..options import GIB, available_memory
 from ..progress import bar, note
 from .arms import arm_tier, is_peer_arm, parse_arm, peer_gguf_path, tier_checkpoint
-from .measure import DTYPES, RunSpec, checkpoint_files, drop_page_cache
+from .run_spec import DTYPES, RunSpec, checkpoint_files, drop_page_cache
 from .regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
 from .summary import summarize
 

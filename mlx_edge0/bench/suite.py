@@ -38,7 +38,7 @@ from typing import Callable, Optional
 from ..checkpoint import read_config, text_config
 from ..progress import bar, note
 from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, WINDOW_ARMS, arm_base, arm_tier, parse_arm
-from .measure import DTYPES, checkpoint_files
+from .run_spec import DTYPES, checkpoint_files
 from .runner import (
     CODE_ROOT,
     BenchOptions,

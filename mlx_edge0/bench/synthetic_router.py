@@ -398,10 +398,10 @@ def teacher_forced_trace(
 ) -> RoutingTrace:
     """The decoded tokens' routing as the bench records it (``measure.py``): a
     seeded random prompt prefilled, warm-up steps, then ``decode_tokens``
-    steps teacher-forced with :func:`~.measure.forced_tokens`."""
+    steps teacher-forced with :func:`~.run_spec.forced_tokens`."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .measure import WARMUP_STEPS, forced_tokens
+    from .run_spec import WARMUP_STEPS, forced_tokens
 
     blocks = moe_blocks(model)
     num_experts, k = blocks[0][1].switch_mlp.gate_proj.weight.shape[0], _top_k(blocks[0][1])
