@@ -10,11 +10,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from click.testing import CliRunner
-from test_regime import skip_unless_available
+from test_regime import bench_cgroups_left, skip_unless_available
 
 from mlx_edge0.bench.charts import CHART_W, PALETTE, Cell, grid_map
 from mlx_edge0.bench.commands import bench
-from mlx_edge0.bench.regime import Regime, own_cgroups
+from mlx_edge0.bench.regime import Regime
 from mlx_edge0.bench.summary import summarize
 from mlx_edge0.bench.sweep import SweepOptions, arm_summary, parse_grid, point_name, refresh_points, winner
 from mlx_edge0.bench.sweep_report import map_chart, point_table, write_sweep_report
@@ -275,7 +275,7 @@ def test_capped_sweep_maps_oom_and_the_winner(tmp_path, converted):
     OOM-killed (no winner, a result: exit 0); at 4 GiB both decode."""
     conv = converted("qwen3_moe")
     skip_unless_available(Regime(memory_cap_gib=0.015, read_mbps=200), conv.edge0)
-    before = set(own_cgroups().memory.iterdir())
+    assert bench_cgroups_left() == []
     out = tmp_path / "sweep"
     result = CliRunner().invoke(bench, [
         "sweep", "--stock", str(conv.source), "--edge0", str(conv.edge0), "--rounds", "1", "--prompt-tokens", "4",
@@ -291,4 +291,4 @@ def test_capped_sweep_maps_oom_and_the_winner(tmp_path, converted):
     assert "| 0.015 GiB | all OOM |" in (out / "sweep.md").read_text()
     cells = _cells(map_chart(json.loads((out / "sweep.json").read_text())))
     assert cells[0][3][0] == "all OOM" and cells[1][3][0] == roomy["winner"] and cells[1][1] < cells[0][1]
-    assert set(own_cgroups().memory.iterdir()) == before
+    assert bench_cgroups_left() == []
