@@ -33,6 +33,7 @@ CLI_MODULES = {
     "mlx_edge0.flags",
     "mlx_edge0.serve",
     "mlx_edge0.bench.commands",
+    "mlx_edge0.bench.command_options",
     "mlx_edge0.train.commands",
     "mlx_edge0.train.phase_commands",
 }

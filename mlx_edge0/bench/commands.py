@@ -14,7 +14,7 @@ from ..interrupts import terminate_as_interrupt
 from ..progress import bar
 from .datadir import DEFAULT_DATA, bench_checkpoints, remove_checkpoints
 from .gguf_peer import RESIDENT_TYPES
-from .arms import ARMS, BUDGET_ARMS, KNOWN_ARMS, arm_base, parse_arm, peer_gguf_path, with_budget
+from .arms import ARMS, BUDGET_ARMS, peer_gguf_path
 from .run_spec import DTYPES
 from .regime import PRESETS, Regime, checkpoint_bytes
 from .runner import CACHES, BenchOptions, load_run, run_bench
@@ -22,55 +22,19 @@ from .summary import summarize
 from .synth import SynthOptions, geometries, synth_checkpoint
 from .synthetic_router import ROUTINGS
 from .report import write_report
-from .sweep import SWEEP_CACHES, SweepOptions, failed_arms, load_sweep, parse_grid, refresh_points, run_sweep
+from .sweep import SWEEP_CACHES, SweepOptions, failed_arms, load_sweep, refresh_points, run_sweep
 from .sweep_report import write_sweep_report
-from .suite import PHASES, SuiteOptions, check_suite_arm, command_line, load_suite, quick as quick_options, run_suite
+from .command_options import (
+    TIMEOUT_OPTION,
+    budget_list,
+    csv_choice,
+    grid_values,
+    measurement_options,
+    suite_arm_list,
+    with_budgets,
+)
+from .suite import PHASES, SuiteOptions, command_line, load_suite, quick as quick_options, run_suite
 from .tables import markdown_table
-
-
-def _csv(allowed: tuple[str, ...], allow_empty: bool = False):
-    def parse(ctx, param, value: str) -> tuple[str, ...]:
-        items = tuple(v.strip() for v in value.split(",") if v.strip())
-        bad = [v for v in items if v not in allowed]
-        if bad or not (items or allow_empty):
-            raise click.BadParameter(f"{value!r}: use a comma list of {', '.join(allowed)}")
-        return items
-
-    return parse
-
-
-def _arms(ctx, param, value: str) -> tuple[str, ...]:
-    items = tuple(v.strip() for v in value.split(",") if v.strip())
-    try:
-        for arm in items:
-            parse_arm(arm)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    if not items:
-        raise click.BadParameter("no arms given")
-    return items
-
-
-def _suite_arms(allow_empty: bool = False):
-    def parse(ctx, param, value: str) -> tuple[str, ...]:
-        items = tuple(v.strip() for v in value.split(",") if v.strip())
-        if not (items or allow_empty):
-            raise click.BadParameter("no arms given")
-        for arm in items:
-            try:
-                check_suite_arm(arm)
-            except ValueError as e:
-                raise click.BadParameter(str(e)) from None
-        return items
-
-    return parse
-
-
-def _budgets(ctx, param, value: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: use a comma list of GiB, e.g. 0.25,0.5,1") from None
 
 
 @click.group()
@@ -160,93 +124,6 @@ def gguf(stock: Path, out: Optional[Path], resident_type: str):
     )
 
 
-# The checkpoint, arm and measurement options `run` and `sweep` share.
-MEASUREMENT_OPTIONS = (
-    click.option(
-        "--stock",
-        type=click.Path(exists=True, file_okay=False, path_type=Path),
-        help="Stock mlx-lm checkpoint (e.g. from `edge0 bench synth`).",
-    ),
-    click.option(
-        "--edge0",
-        type=click.Path(exists=True, file_okay=False, path_type=Path),
-        help="The same model converted by `edge0 convert`.",
-    ),
-    click.option(
-        "--gguf",
-        type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        help="The same model as a GGUF, for the llama.cpp arms [default: STOCK.gguf from `edge0 bench gguf`].",
-    ),
-    click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True),
-    click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True),
-    click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True),
-    click.option(
-        "--arms",
-        default="stock,edge0-exact",
-        show_default=True,
-        callback=_arms,
-        help=f"Comma list of {', '.join(KNOWN_ARMS)}; edge0 arms may add a page-cache policy "
-        "(ARM+bypass); hot/staged/prerouter take a budget as ARM@GiB; edge0 arms a K tier last, ARM/k4 "
-        "(run on EDGE0-k4, a copy with K=4 heads).",
-    ),
-    click.option(
-        "--cache-gib",
-        "budgets",
-        default="",
-        callback=_budgets,
-        help="Comma list of GiB: every hot/staged arm without @GiB runs at each budget.",
-    ),
-    click.option(
-        "--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="Compute dtype of both arms."
-    ),
-    click.option("--seed", type=int, default=0, show_default=True, help="Prompt token seed."),
-    click.option(
-        "--k",
-        "k",
-        type=int,
-        default=0,
-        show_default=True,
-        help="K on the prerouted layers of edge0 arms (needs heads for it); stock stays native.",
-    ),
-    click.option(
-        "--timeout",
-        "timeout_s",
-        type=float,
-        default=3600.0,
-        show_default=True,
-        help="Seconds before a run is killed and recorded as failed.",
-    ),
-)
-
-
-def measurement_options(command):
-    """Add :data:`MEASUREMENT_OPTIONS` to a command, in that order."""
-    for option in reversed(MEASUREMENT_OPTIONS):
-        command = option(command)
-    return command
-
-
-def _with_budgets(arms: tuple[str, ...], budgets: tuple[float, ...]) -> tuple[str, ...]:
-    """Every hot/staged arm without @GiB at each of ``budgets`` (none: as given)."""
-    expanded = []
-    for arm in arms:
-        if budgets and "@" not in arm and arm_base(arm) in BUDGET_ARMS:
-            expanded += [with_budget(arm, b) for b in budgets]
-        else:
-            expanded.append(arm)
-    return tuple(expanded)
-
-
-def _grid(unit: str):
-    def parse(ctx, param, value: str) -> tuple[Optional[float], ...]:
-        try:
-            return parse_grid(value, unit)
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-
-    return parse
-
-
 @bench.command("run")
 @measurement_options
 @click.option(
@@ -260,7 +137,7 @@ def _grid(unit: str):
     "caches",
     default="cold,warm",
     show_default=True,
-    callback=_csv(CACHES),
+    callback=csv_choice(CACHES),
     help="Page-cache states: cold, warm, pressure (pages dropped before every decode step).",
 )
 @click.option("--warm-prefill", is_flag=True, help="Also time a second request in each process.")
@@ -304,7 +181,7 @@ def run(
             sized = PRESETS[preset].regime(checkpoint_bytes(root))
             regime = Regime(memory_cap_gib or sized.memory_cap_gib, read_mbps or sized.read_mbps)
             click.echo(f"regime {preset}: {regime.label()}", err=True)
-        options = BenchOptions(out=out, arms=_with_budgets(arms, budgets), regime=regime, **kwargs)
+        options = BenchOptions(out=out, arms=with_budgets(arms, budgets), regime=regime, **kwargs)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     results = run_bench(options, command=command_line())
@@ -327,14 +204,14 @@ def run(
     "--memory-caps",
     default="none",
     show_default=True,
-    callback=_grid("GiB"),
+    callback=grid_values("GiB"),
     help="Comma list of memory caps per arm in GiB (page cache included); none (or uncapped) for no cap.",
 )
 @click.option(
     "--read-mbps",
     default="none",
     show_default=True,
-    callback=_grid("MB/s"),
+    callback=grid_values("MB/s"),
     help="Comma list of read throughputs per arm in MB/s; none (or uncapped) for no throttle.",
 )
 @click.option(
@@ -352,7 +229,7 @@ def sweep(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], fresh: b
     Rerunning into the same OUT with the same options keeps the runs already made.
     """
     try:
-        options = SweepOptions(out=out, arms=_with_budgets(arms, budgets), resume=not fresh, **kwargs)
+        options = SweepOptions(out=out, arms=with_budgets(arms, budgets), resume=not fresh, **kwargs)
         results = run_sweep(options, command=command_line())
     except ValueError as e:
         raise click.ClickException(str(e)) from None
@@ -392,13 +269,13 @@ def sweep(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], fresh: b
     help="Hot-cache budget of the hot, staged and prerouter arms outside the sweep.",
 )
 @click.option(
-    "--budgets", default="0,0.25,0.5,1,2", show_default=True, callback=_budgets, help="The sweep's budgets (GiB)."
+    "--budgets", default="0,0.25,0.5,1,2", show_default=True, callback=budget_list, help="The sweep's budgets (GiB)."
 )
 @click.option(
     "--sweep-arms",
     default="edge0-hot,edge0-prerouter",
     show_default=True,
-    callback=_suite_arms(),
+    callback=suite_arm_list(),
     help=f"Arms of the sweep: {', '.join(BUDGET_ARMS)}, maybe +PAGE_CACHE.",
 )
 @click.option(
@@ -412,14 +289,14 @@ def sweep(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], fresh: b
     "--arms",
     default=",".join(ARMS),
     show_default=True,
-    callback=_suite_arms(),
+    callback=suite_arm_list(),
     help="Arms of the main phase (other phases take the edge0 ones among them); edge0 arms "
     "may add +PAGE_CACHE (e.g. edge0-prerouter+bypass).",
 )
 @click.option(
     "--low-k-arms",
     default="",
-    callback=_suite_arms(allow_empty=True),
+    callback=suite_arm_list(allow_empty=True),
     help="Arms of the low-K phase [default: those of --arms].",
 )
 @click.option(
@@ -427,20 +304,13 @@ def sweep(out: Path, arms: tuple[str, ...], budgets: tuple[float, ...], fresh: b
     "caches",
     default="cold,warm",
     show_default=True,
-    callback=_csv(("cold", "warm")),
+    callback=csv_choice(("cold", "warm")),
     help="Page-cache states of the main and low-K phases.",
 )
-@click.option("--phases", default=",".join(PHASES), show_default=True, callback=_csv(PHASES))
+@click.option("--phases", default=",".join(PHASES), show_default=True, callback=csv_choice(PHASES))
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=float,
-    default=3600.0,
-    show_default=True,
-    help="Seconds before a run is killed and recorded as failed.",
-)
+@TIMEOUT_OPTION
 @click.option(
     "--quantize-embeddings",
     is_flag=True,
