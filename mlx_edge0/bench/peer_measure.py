@@ -23,8 +23,8 @@ def measure_llamacpp(spec: RunSpec) -> dict:
     """The peer arm: llama.cpp on the GGUF at ``spec.path``, the same prompt as
     the other arms, then a teacher-forced decode of :func:`forced_tokens`, as
     every arm's (``tokens`` are llama.cpp's argmax at each position, not what
-    it was fed). There is no MLX
-    memory: ``peak_rss`` counts llama.cpp's buffers and the mmap'd weights it touched."""
+    it was fed). There is no MLX memory: ``peak_rss`` counts llama.cpp's
+    buffers and the mmap'd weights it touched."""
     import numpy as np
 
     from mlx_edge0.options import available_memory
