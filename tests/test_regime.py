@@ -9,11 +9,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from mlx_edge0.bench.run_spec import drop_page_cache
 from mlx_edge0.bench.regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
+from mlx_edge0.bench.runner import cgroup_prefix
 
 ALLOCATE = "import sys; blocks = [bytearray(64 << 20) for _ in range(int(sys.argv[1]))]; print('done')"
 READ = (
@@ -22,13 +24,13 @@ READ = (
 )
 
 
-def bench_cgroups_left() -> list[str]:
-    """The cgroups this process's benches made that are still there, in
-    either hierarchy: a bench names each ``edge0-bench-PID-...`` and removes
-    it afterwards. Only this process's are counted: another test run in the
-    same parent cgroup makes and removes its own meanwhile."""
+def bench_cgroups_left(pid: Optional[int] = None) -> list[str]:
+    """The cgroups bench process ``pid`` (this one by default) made that are
+    still there, in either hierarchy (:func:`cgroup_prefix` names them; the
+    bench removes each afterwards). Only that process's are counted: another
+    test run in the same parent cgroup makes and removes its own meanwhile."""
     own = own_cgroups()
-    prefix = f"edge0-bench-{os.getpid()}-"
+    prefix = cgroup_prefix(os.getpid() if pid is None else pid)
     return sorted(
         {p.name for d in (own.memory, own.io) if d.is_dir() for p in d.iterdir() if p.name.startswith(prefix)}
     )
@@ -233,7 +235,7 @@ def test_a_stopped_bench_kills_its_arm_and_removes_the_cgroups(converted, tmp_pa
         "--cache", "cold", "--memory-cap", "4", "--read-mbps", "200", "--out", str(tmp_path / "r.json"),
     ]  # fmt: skip
     bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    prefix = f"edge0-bench-{bench.pid}-"
+    prefix = cgroup_prefix(bench.pid)
     arm_pids: list[str] = []
     try:
         deadline = time.monotonic() + 120
@@ -246,8 +248,7 @@ def test_a_stopped_bench_kills_its_arm_and_removes_the_cgroups(converted, tmp_pa
         _, err = bench.communicate(timeout=60)
         assert bench.returncode == 1 and "Aborted" in err
         assert not any(Path(f"/proc/{pid}").exists() for pid in arm_pids)
-        for root in {layout.memory, layout.io}:
-            assert not [d.name for d in root.iterdir() if d.name.startswith(prefix)]
+        assert bench_cgroups_left(bench.pid) == []
     finally:  # on failure, leave no arm decoding and no cgroup behind
         bench.kill()
         for pid in arm_pids:

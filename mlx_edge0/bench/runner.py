@@ -216,12 +216,18 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def cgroup_prefix(pid: int) -> str:
+    """How the names of the cgroups a bench process ``pid`` makes begin: one
+    per capped run, each removed after it (tests find what is left by it)."""
+    return f"edge0-bench-{pid}-"
+
+
 def run_child(spec: RunSpec, timeout_s: float, regime: Regime = Regime()) -> dict:
     """Run one measurement in a fresh process (in its own cgroup when
     ``regime`` caps it); failures come back as records."""
     if not regime.active:
         return _run_child(spec, timeout_s)
-    name = f"edge0-bench-{os.getpid()}-{time.monotonic_ns()}"
+    name = f"{cgroup_prefix(os.getpid())}{time.monotonic_ns()}"
     with ArmCgroup(regime, own_cgroups(), block_device(spec.path), name) as cgroup:
         record = _run_child(spec, timeout_s, preexec=cgroup.join)
         stats = cgroup.stats()
