@@ -27,6 +27,13 @@ decode's routings (measured on the trace it is replayed on, so it knows in
 advance what a learning cache must estimate): what no victim choice that
 knows only popularity can beat on average.
 
+``--next-lags 0,2,4`` adds, for the recorded decodes, ``lfu+next`` that knows
+the next token's experts only ``lag`` layers behind the call it places (of
+the next token, the layers up to ``layer - lag``; all of this token's): what
+a cache could gain by choosing each miss's row when its read starts, from
+what the heads have predicted of the next token by then, instead of when the
+step opens, as the runtime does (it knows none of the next token then).
+
 Prints a table (medians over seeds, ranges) and writes JSON:
 
     python benchmarks/eviction_bound.py [--layers 40] [--experts 256] [--k 4]
@@ -40,6 +47,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Sequence
 
 from mlx_edge0.bench.eviction import (
     POPULARITY,
@@ -74,7 +82,7 @@ def replay(layers: int, experts: int, k: int, capacity: int, tokens: int, seed: 
     }
 
 
-def replay_recorded(path: Path, run: dict, decode: RecordedDecode) -> dict:
+def replay_recorded(path: Path, run: dict, decode: RecordedDecode, next_lags: Sequence[int] = ()) -> dict:
     """Every policy on one bench run's decode, from the cache it began with;
     the runtime's kind of policy (and ``lfu+next``, built on it) from what it
     had learned then, where the record kept it, so that one replays what
@@ -83,6 +91,11 @@ def replay_recorded(path: Path, run: dict, decode: RecordedDecode) -> dict:
     popularity = measured_popularity(decode.trace)
     hit_rate = {
         p: simulate(decode.trace, decode.capacity, p, popularity=popularity, **start).hit_rate for p in POLICIES
+    }
+    layers = len(decode.trace.layers)
+    lagged = {
+        lag: simulate(decode.trace, decode.capacity, "lfu+next", lookahead=layers - lag, **start).hit_rate
+        for lag in next_lags
     }
     summary = LocalitySummary.of(decode.trace)
     return {
@@ -93,6 +106,7 @@ def replay_recorded(path: Path, run: dict, decode: RecordedDecode) -> dict:
         "reuse": summary.mean("reuse"),
         "ceiling": ceiling(decode.trace, decode.permanent, decode.resident),
         "hit_rate": hit_rate,
+        "next_lag_hit_rate": lagged,
         "runtime_hit_rate": decode.runtime_hit_rate,
         "from_runtime_state": decode.policy_state is not None,
     }
@@ -115,6 +129,21 @@ def recorded_table(rows: list[dict]) -> str:
             + f" | {r['ceiling']:.3f} | {r['runtime_hit_rate']:.3f} | "
             + ", ".join(f"{p} {100 * (best - rates[p]):.1f}" for p in gaps)
             + f" | {r['distinct']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def lag_table(rows: list[dict]) -> str:
+    """``lfu+next`` by how many layers behind it knows the next token."""
+    lags = list(rows[0]["next_lag_hit_rate"])
+    head = "| recorded decode | runtime served | " + " | ".join(f"lag {lag}" for lag in lags) + " | MIN |"
+    lines = [head, "|" + "---|" * (len(lags) + 3)]
+    for r in rows:
+        best = r["hit_rate"]["min"]
+        cells = [f"{rate:.4f} ({100 * (best - rate):.1f})" for rate in r["next_lag_hit_rate"].values()]
+        served = r["runtime_hit_rate"]
+        lines.append(
+            f"| {r['run']} | {served:.4f} ({100 * (best - served):.1f}) | " + " | ".join(cells) + f" | {best:.4f} |"
         )
     return "\n".join(lines)
 
@@ -155,10 +184,19 @@ def main() -> None:
     p.add_argument("--tokens", default="24,64,256,1024", help="synthetic trace lengths ('' for none)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--bench", type=Path, action="append", default=[], help="an edge0 bench results JSON")
+    p.add_argument(
+        "--next-lags", default="", help="recorded decodes: lfu+next knowing the next token this many layers behind"
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON")
     a = p.parse_args()
     token_counts = [int(t) for t in a.tokens.split(",") if t]
     seeds = [int(s) for s in a.seeds.split(",")]
+    try:
+        next_lags = [int(lag) for lag in a.next_lags.split(",") if lag]
+    except ValueError:
+        raise SystemExit(f"--next-lags: give whole numbers separated by commas, not {a.next_lags!r}") from None
+    if any(lag < 0 for lag in next_lags):
+        raise SystemExit(f"--next-lags: a lag is 0 or more layers, not {a.next_lags!r}")
     if a.capacity < a.k * a.layers:
         raise SystemExit(f"--capacity {a.capacity} is below one token's routed sets ({a.k} x {a.layers} layers)")
     knobs = calibrate(a.experts, a.k, a.coverage90, a.reuse)
@@ -174,7 +212,7 @@ def main() -> None:
                 runs.append(replay(a.layers, a.experts, a.k, a.capacity, tokens, seed, knobs))
                 b.update(tokens)
         for path, run, decode in recorded:
-            recorded_rows.append(replay_recorded(path, run, decode))
+            recorded_rows.append(replay_recorded(path, run, decode, next_lags))
             b.update(len(decode.trace.tokens))
     if runs:
         print(
@@ -186,6 +224,9 @@ def main() -> None:
     if recorded_rows:
         print("\nRecorded decodes, each from the cache it began with; popularity: the decode's own shares\n")
         print(recorded_table(recorded_rows))
+        if next_lags:
+            print("\nLFU sparing the next token's experts it knows, that many layers behind; (gap to MIN, points)\n")
+            print(lag_table(recorded_rows))
     if a.out:
         options = {k: v for k, v in vars(a).items() if k != "out"}
         knob_values = {"popularity": knobs.popularity, "keep": knobs.keep}

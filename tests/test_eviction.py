@@ -493,3 +493,22 @@ def test_eviction_bound_replays_a_recorded_decode_from_the_runtimes_state():
     assert [r["from_runtime_state"] for r in rows] == [True, False]
     assert rows[0]["hit_rate"] == {"lru": 0.0, "lfu": 0.25, "lfu+next": 0.25, "popularity": 0.25, "min": 0.25}
     assert (rows[1]["hit_rate"]["lfu"], rows[1]["hit_rate"]["min"]) == (0.0, 0.25)
+
+
+def test_eviction_bound_replays_the_next_token_known_some_layers_behind():
+    """``--next-lags``: one layer routing experts 0, 1, 2, 0 through 2 rows,
+    LFU told that 1 was used 10 times. Knowing the next token with no lag,
+    the third call spares 0 (the fourth's) and evicts 1: 1 hit of 4, as MIN;
+    one layer behind it knows nothing of the next token and LFU evicts 0."""
+    script = load_benchmark_script("eviction_bound")
+    trace = RoutingTrace((0,), 3, 1, (((0,),), ((1,),), ((2,),), ((0,),)))
+    state = {"policy": "lfu", "clock": 0, "last": [], "count": [[[0, 1], 10.0]], "cost": []}
+    replay = {"capacity": 2, "permanent_keys": [], "resident_keys": [], "policy_at_start": state}
+    run = {"arm": "edge0-prerouter+bypass", "round": 0, "routing": trace.as_dict(), "eviction_replay": replay}
+    run["decode_counters"] = {"hot_hits": 0, "hot_misses": 4}
+    row = script.replay_recorded(Path("r.json"), run, RecordedDecode.of(run), next_lags=(0, 1))
+    assert row["next_lag_hit_rate"] == {0: 0.25, 1: 0.0}
+    assert (row["hit_rate"]["lfu"], row["hit_rate"]["min"]) == (0.0, 0.25)
+    assert "| /r.json: edge0-prerouter+bypass round 0 | 0.0000 (25.0) | 0.2500 (0.0) | 0.0000 (25.0) | 0.2500 |" in (
+        script.lag_table([row])
+    )
