@@ -38,7 +38,8 @@ Prints a table (medians over seeds, ranges) and writes JSON:
 
     python benchmarks/eviction_bound.py [--layers 40] [--experts 256] [--k 4]
         [--capacity 1092] [--coverage90 0.51] [--reuse 0.107]
-        [--tokens 24,64,256,1024] [--seeds 0,1,2] [--bench RESULTS.json ...] [--out FILE.json]
+        [--tokens 24,64,256,1024] [--seeds 0,1,2] [--bench RESULTS.json ...] [--next-lags 0,2,4]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
