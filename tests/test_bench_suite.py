@@ -28,7 +28,7 @@ from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.arms import arm_base, arm_tier, parse_arm, split_arm, with_budget
 from mlx_edge0.bench.run_spec import RunSpec
 from mlx_edge0.bench.report import inline_markdown, noise_note, write_report
-from mlx_edge0.bench.tables import agreement_note, arm_label, rate_digits, regime_table
+from mlx_edge0.bench.tables import agreement_note, arm_label, rate_digits, regime_table, speed_table
 from mlx_edge0.bench.runner import BenchOptions, load_run, run_bench, runs_to_make
 from mlx_edge0.bench.summary import run_metrics, summarize
 from mlx_edge0.bench.suite import (
@@ -344,6 +344,20 @@ def test_capped_arms_are_paired_with_llamacpp_and_set_against_the_read_bound():
     assert rows["llamacpp"][3:] == ["1.00", "200.0", "0.100", "1.00", "10000", "-", "-"]
     assert regime_table(summarize(_capped_runs())).rows[0][5:7] == ["-", "-"]  # no throttle, no bound
     assert [rate_digits(v) for v in (0.00657, 0.0172, 0.155, 19.07, None)] == [5, 4, 3, 3, 3]
+
+
+def test_speed_table_leaves_out_the_stock_columns_without_stock_and_keeps_a_slow_peers_digits():
+    no_stock = speed_table(summarize(_capped_runs()))
+    assert "× stock (medians)" not in no_stock.headers and "× stock (per round)" not in no_stock.headers
+    rows = {row[0]: row for row in no_stock.rows}
+    assert rows["llamacpp"][3] == "0.100" and rows["edge0-prerouter, page cache bypass"][3] == "0.650 (0.500–0.800)"
+    slow = [dict(r, decode_tok_s=r["decode_tok_s"] / 10) for r in _capped_runs()]
+    assert {row[0]: row for row in speed_table(summarize(slow)).rows}["llamacpp"][3] == "0.0100"
+    stock = [dict(r, arm="stock") for r in _capped_runs() if r["arm"] == "llamacpp"]
+    with_stock = speed_table(summarize(_capped_runs() + stock))
+    assert with_stock.headers[4:6] == ["× stock (medians)", "× stock (per round)"]
+    rows = {row[0]: row for row in with_stock.rows}
+    assert rows["edge0-prerouter, page cache bypass"][4:6] == ["6.50", "6.50 (5.00–8.00)"]
 
 
 def test_bench_report_prints_a_run_file_again_and_names_a_bad_one(tmp_path):

@@ -113,20 +113,26 @@ IO_HEADERS = ["exposed wait ms/step", "loads/token", "MiB/load", "MB/token", "ho
 
 def speed_table(summary: dict, reference: Optional[dict] = None) -> Table:
     """Throughput and latency per arm and cache state; ×stock against the same
-    cache state's stock arm (of ``reference`` when this summary has none)."""
+    cache state's stock arm (of ``reference`` when this summary has none),
+    columns left out where no arm has a stock arm to compare with (a run of
+    edge0 arms and the peer only)."""
     arms = summary.get("arms", {})
+    reference_arms = (reference or {}).get("arms", {})
+    stocks = [arms.get(f"stock/{e['cache']}") or reference_arms.get(f"stock/{e['cache']}") for e in arms.values()]
+    with_stock = any(stocks)
     rows = []
-    for e in arms.values():
-        stock = arms.get(f"stock/{e['cache']}") or (reference or {}).get("arms", {}).get(f"stock/{e['cache']}")
+    for e, stock in zip(arms.values(), stocks):
+        tok_s = median(e, "decode_tok_s")
+        versus_stock = [ratio(tok_s, median(stock, "decode_tok_s")), cell(stat(e, "decode_vs_stock_paired"))]
         rows.append([
             arm_label(e["arm"]), e["cache"], f"{e['ok']}/{e['runs']}",
-            cell(stat(e, "decode_tok_s"), digits=3),
-            ratio(median(e, "decode_tok_s"), median(stock, "decode_tok_s")),
-            cell(stat(e, "decode_vs_stock_paired")),
+            cell(stat(e, "decode_tok_s"), digits=rate_digits(tok_s)),
+            *(versus_stock if with_stock else []),
             cell(stat(e, "prefill_tok_s")), cell(stat(e, "warm_prefill_tok_s")),
             cell(stat(e, "ttft_s")), cell(stat(e, "ttft_with_load_s")), cell(stat(e, "load_s")),
         ])  # fmt: skip
-    headers = ["arm", "cache", "ok/runs", "decode tok/s", "× stock (medians)", "× stock (per round)",
+    headers = ["arm", "cache", "ok/runs", "decode tok/s",
+               *(["× stock (medians)", "× stock (per round)"] if with_stock else []),
                "prefill tok/s (cold request)",
                "prefill tok/s (warm request)", "TTFT s", "TTFT s incl. load", "load s"]  # fmt: skip
     return Table(headers, rows, notes=_failures(summary))
