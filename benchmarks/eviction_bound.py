@@ -94,8 +94,11 @@ def replay_recorded(path: Path, run: dict, decode: RecordedDecode, next_lags: Se
         p: simulate(decode.trace, decode.capacity, p, popularity=popularity, **start).hit_rate for p in POLICIES
     }
     layers = len(decode.trace.layers)
+    # lag 0 knows the whole next token: the lfu+next column above, replayed once
     lagged = {
-        lag: simulate(decode.trace, decode.capacity, "lfu+next", lookahead=layers - lag, **start).hit_rate
+        lag: hit_rate["lfu+next"]
+        if lag == 0
+        else simulate(decode.trace, decode.capacity, "lfu+next", lookahead=layers - lag, **start).hit_rate
         for lag in next_lags
     }
     summary = LocalitySummary.of(decode.trace)
