@@ -1,18 +1,19 @@
 """What the bench's read throttle does to a call's reads: is it a steady disk?
 
 ``--read-mbps`` is the kernel's block throttle (v1 ``blkio.throttle.read_bps_device``,
-v2 ``io.max rbps``). It meters a cgroup's reads per time slice, not per byte as
-it goes: after the cgroup has read nothing for a while, reads pass at the
-device's own speed until the slice's budget is spent, and a read past it waits
-for the next slice. A disk that is simply slow passes every byte at its rate.
-The difference is the idle time an on-demand arm leaves between its calls'
-reads (while it computes): the throttle gives part of it back as a burst at
-the next call, a slow disk never does.
+v2 ``io.max rbps``). It meters a cgroup's reads per time slice, not byte by
+byte: over a run it gives no more than its rate, but time the cgroup spent
+not reading can go to its next reads, at the device's own speed. A disk that
+is simply slow loses that time. The difference is the idle an on-demand arm
+leaves between its calls' reads (while it computes): the throttle hands part
+of it back to the next call, a slow disk never does.
 
 This reads what one decode call of the hot path reads (``--experts`` routed
 experts of one layer, on the urgent threads, ``O_DIRECT``), in a cgroup of the
 bench's kind (``ArmCgroup``), call after call with ``--gaps`` of idle between
 them standing for the compute, at each of ``--read-mbps``; and once unthrottled.
+With ``--read-mbps ''`` it sets no throttle and times every gap: for a disk
+that is slow of itself (``paced_disk.py``'s view).
 Per point: how long a call's reads took (median, 90th percentile, longest)
 against what the same bytes take on a disk of that rate, the share of calls
 that finished in under half that time, the rate the reads got while reading
@@ -91,7 +92,9 @@ def point(a: argparse.Namespace, mbps: float | None, gap_ms: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="an edge0 checkpoint")
-    p.add_argument("--read-mbps", default="22,50,144", help="throttle rates, MB/s")
+    p.add_argument(
+        "--read-mbps", default="22,50,144", help="throttle rates, MB/s ('': none, at every gap: a paced_disk.py view)"
+    )
     p.add_argument("--gaps", default="0,25,50,100,300", help="idle between calls, ms")
     p.add_argument("--experts", type=int, default=3, help="experts a call reads (one layer)")
     p.add_argument("--calls", type=int, default=40)
@@ -105,18 +108,19 @@ def main() -> None:
         return child(a)
     from mlx_edge0.bench.regime import Regime, regime_unavailable
 
-    rates = [float(r) for r in a.read_mbps.split(",")]
+    rates = [float(r) for r in a.read_mbps.split(",") if r]
     gaps = [float(g) for g in a.gaps.split(",")]
-    problem = regime_unavailable(Regime(None, rates[0]), a.checkpoint)
+    problem = regime_unavailable(Regime(None, rates[0]), a.checkpoint) if rates else None
     if problem:
         sys.exit(problem)
-    points = [point(a, None, 0.0)]
-    todo = [(r, g) for r in rates for g in gaps]
+    points = [point(a, None, 0.0)] if rates else []
+    todo = [(r, g) for r in rates for g in gaps] if rates else [(None, g) for g in gaps]
     started = time.perf_counter()
     for i, (rate, gap) in enumerate(todo):
         points.append(point(a, rate, gap))
         left = (time.perf_counter() - started) / (i + 1) * (len(todo) - i - 1)
-        print(f"[{i + 1}/{len(todo)}] {rate:g} MB/s, {gap:g} ms idle: done, about {left:.0f} s left", file=sys.stderr)
+        where = "no throttle" if rate is None else f"{rate:g} MB/s"
+        print(f"[{i + 1}/{len(todo)}] {where}, {gap:g} ms idle: done, about {left:.0f} s left", file=sys.stderr)
     print(f"\n{a.experts} experts a call, {a.calls - a.skip} calls a point, O_DIRECT, urgent threads\n")
     print(
         "| MB/s | idle between calls (ms) | call MB | a disk of that rate (ms) | median ms | p90 ms | longest ms "
@@ -124,7 +128,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for q in points:
-        rate = "unthrottled" if q["read_mbps"] is None else f"{q['read_mbps']:g}"
+        rate = "no throttle" if q["read_mbps"] is None else f"{q['read_mbps']:g}"
         steady = "–" if q["steady_disk_ms"] is None else f"{q['steady_disk_ms']:.1f}"
         under = "–" if q["under_half_steady"] is None else f"{q['under_half_steady']:.0%}"
         print(
