@@ -105,13 +105,25 @@ class PacedView(pyfuse3.Operations):
     async def releasedir(self, fh):
         pass
 
+    async def readlink(self, inode, ctx):
+        try:
+            return os.fsencode(os.readlink(self.path_of[inode]))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+
     async def open(self, inode, flags, ctx):
         if flags & (os.O_WRONLY | os.O_RDWR):
             raise pyfuse3.FUSEError(errno.EROFS)
-        return pyfuse3.FileInfo(fh=os.open(self.path_of[inode], os.O_RDONLY))
+        try:
+            return pyfuse3.FileInfo(fh=os.open(self.path_of[inode], os.O_RDONLY))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
 
     async def read(self, fh, off, size):
-        data = os.pread(fh, size, off)
+        try:
+            data = os.pread(fh, size, off)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
         await trio.sleep_until(self.clock.done_at(len(data), trio.current_time()))
         return data
 
@@ -135,6 +147,9 @@ def main() -> None:
     a = p.parse_args()
     if not a.read_mbps > 0:
         p.error(f"--read-mbps must be positive, got {a.read_mbps}")
+    for name, folder in (("source", a.source), ("mountpoint", a.mountpoint)):
+        if not folder.is_dir():
+            p.error(f"{name} {folder}: not a folder")
     clock = DiskClock(a.read_mbps * 1e6)
     pyfuse3.init(PacedView(a.source.resolve(), clock), str(a.mountpoint), {"fsname=edge0-paced", "ro"})
     signal.signal(signal.SIGTERM, lambda *_: pyfuse3.terminate())

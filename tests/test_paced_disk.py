@@ -104,12 +104,14 @@ def test_a_read_after_idle_takes_its_bytes_time_and_the_view_is_read_only(tmp_pa
     view.mkdir()
     data = os.urandom(4_000_000)
     (source / "experts" / "layer.bin").write_bytes(data)
+    (source / "link").symlink_to("experts/layer.bin")
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(source), str(view), "--read-mbps", "40"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert _mounted(view, proc), "the view did not mount"
-        assert sorted(os.listdir(view)) == ["experts"]
+        assert sorted(os.listdir(view)) == ["experts", "link"]
+        assert os.readlink(view / "link") == "experts/layer.bin"
         time.sleep(0.3)  # idle: the kernel's throttle would hand this to the read below
         started = time.perf_counter()
         assert (view / "experts" / "layer.bin").read_bytes() == data
