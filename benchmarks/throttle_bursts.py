@@ -45,8 +45,8 @@ def child(a: argparse.Namespace) -> None:
     store = ExpertStore(a.checkpoint, section, bypass_page_cache=True)
     target = SlotBuffers(section.experts, a.experts)
     rng = np.random.default_rng(a.seed)
-    calls, nbytes = [], 0
-    for i in range(a.calls):
+    calls = []
+    for _ in range(a.calls):
         layer = section.moe_layers[int(rng.integers(len(section.moe_layers)))]
         ids = sorted(rng.choice(section.experts.num_experts, a.experts, replace=False).tolist())
         started = time.perf_counter()
