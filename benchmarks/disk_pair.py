@@ -18,6 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
+from mlx_edge0.bench.summary import run_metrics
+
 
 def arms(path: Path) -> dict[str, list[dict]]:
     """Each arm's successful runs, in round order."""
@@ -32,8 +34,9 @@ def row(runs: list[dict], base: list[dict], rate: float) -> dict:
     tok_s = statistics.median(r["decode_tok_s"] for r in runs)
     by_round = {r["round"]: r["decode_tok_s"] for r in base}
     ratios = [r["decode_tok_s"] / by_round[r["round"]] for r in runs if r["round"] in by_round]
-    asked = statistics.median(r["counters_per_token"]["bytes_read"] for r in runs)
-    wait = statistics.median(r["counters_per_token"]["exposed_wait_ms"] / 1e3 / r["decode_s_per_token"] for r in runs)
+    metrics = [run_metrics(r) for r in runs]  # the bench's own per-run figures
+    asked = statistics.median(m["bytes_per_token"] for m in metrics)
+    wait = statistics.median(m["wait_share"] for m in metrics)
     bypass = "bypass" in runs[0]["arm"]
     return {
         "tok_s": tok_s,
