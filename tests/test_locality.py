@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 import pytest
 
@@ -77,3 +79,35 @@ def test_bad_traces_are_refused(tmp_path):
     (tmp_path / "x.json").write_text('{"layers": []}')
     with pytest.raises(ValueError, match="not an edge0-routing-trace"):
         RoutingTrace.load(tmp_path / "x.json")
+
+
+def test_reuse_by_distance_against_popularity_alone(tmp_path, monkeypatch):
+    from conftest import load_benchmark_script
+
+    from mlx_edge0.bench.synthetic_routing import Locality, generate
+
+    script = load_benchmark_script("reuse_by_distance")
+    # E=4, K=1: 0 0 1 1. At d=1 two of three pairs repeat, at d=2 none; popularity
+    # alone (two experts used twice each in four tokens): 2 * 2 * 1 / (4 * 3) = 1/3.
+    hand = RoutingTrace((0,), 4, 1, (((0,),), ((0,),), ((1,),), ((1,),)))
+    used = script.usage(hand)
+    assert script.reuse_at(used, 1) == pytest.approx(2 / 3)
+    assert script.reuse_at(used, 2) == 0.0
+    assert math.isnan(script.reuse_at(used, 4))
+    assert script.memoryless_reuse(used) == pytest.approx(1 / 3)
+    # Independent tokens: the ratio is 1 at every distance; a sticky trace's is above 1 near.
+    free = generate((0, 1, 2), 32, 4, 2000, Locality(popularity=1.0), seed=3)
+    sticky = generate((0, 1, 2), 32, 4, 2000, Locality(popularity=1.0, keep=0.5), seed=3)
+    free_row = script.measure("free", free, [1, 8, 64])
+    sticky_row = script.measure("sticky", sticky, [1, 8, 64])
+    for d in ("1", "8", "64"):
+        assert free_row["ratio"][d] == pytest.approx(1.0, abs=0.03)
+    assert sticky_row["ratio"]["1"] > 1.3
+    hand.save(tmp_path / "hand.json")
+    out = tmp_path / "reuse.json"
+    argv = ["reuse_by_distance.py", "--trace", str(tmp_path / "hand.json"), "--distances", "1,2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    script.main()
+    data = json.loads(out.read_text())
+    assert data["traces"][0]["reuse"] == {"1": pytest.approx(2 / 3), "2": 0.0}
+    assert out.with_suffix(".svg").read_text().startswith("<svg")
