@@ -67,6 +67,13 @@ def memoryless_reuse(used: np.ndarray) -> float:
 
 
 def measure(name: str, trace: RoutingTrace, distances: list[int]) -> dict:
+    """One trace's row: its reuse at each distance, and each over the memoryless reuse.
+
+    Raises:
+        ValueError: the trace has fewer than two tokens (``name`` in the message).
+    """
+    if len(trace.tokens) < 2:
+        raise ValueError(f"{name}: {len(trace.tokens)} tokens, and a reuse needs two")
     used = usage(trace)
     base = memoryless_reuse(used)
     reuse = {d: reuse_at(used, d) for d in distances}
@@ -78,7 +85,7 @@ def measure(name: str, trace: RoutingTrace, distances: list[int]) -> dict:
         "k": trace.k,
         "memoryless_reuse": base,
         "reuse": {str(d): r for d, r in reuse.items()},
-        "ratio": {str(d): r / base for d, r in reuse.items()},
+        "ratio": {str(d): r / base if base else float("nan") for d, r in reuse.items()},
     }
 
 
@@ -89,16 +96,32 @@ def main() -> None:
     ap.add_argument("--distances", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    distances = [int(d) for d in args.distances.split(",")]
-    traces = [(p.name, RoutingTrace.load(p)) for p in args.trace]
+    try:
+        distances = [int(d) for d in args.distances.split(",")]
+    except ValueError:
+        raise SystemExit(f"--distances: {args.distances!r} is not a comma-separated list of whole numbers") from None
+    if any(d < 1 for d in distances):
+        raise SystemExit(f"--distances: every distance must be at least 1, got {args.distances}")
+    traces = []
+    for path in args.trace:
+        try:
+            traces.append((path.name, RoutingTrace.load(path)))
+        except (OSError, ValueError, TypeError) as e:
+            raise SystemExit(f"{path}: not a readable routing trace ({e})") from None
     for path in args.bench:
-        decodes = recorded_decodes(path)
+        try:
+            decodes = recorded_decodes(path)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         if not decodes:
             raise SystemExit(f"{path}: no run recorded its decode's routing")
         traces.append((path.name, decodes[0][1].trace))
     if not traces:
         raise SystemExit("give at least one --trace or --bench")
-    rows = [measure(name, trace, distances) for name, trace in traces]
+    try:
+        rows = [measure(name, trace, distances) for name, trace in traces]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
     head = " | ".join(f"d={d}" for d in distances)
     print(f"| trace | tokens | layers x experts, K | memoryless reuse | {head} |")

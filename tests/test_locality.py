@@ -111,3 +111,23 @@ def test_reuse_by_distance_against_popularity_alone(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     assert data["traces"][0]["reuse"] == {"1": pytest.approx(2 / 3), "2": 0.0}
     assert out.with_suffix(".svg").read_text().startswith("<svg")
+
+
+def test_reuse_by_distance_names_bad_input(tmp_path, monkeypatch):
+    from conftest import load_benchmark_script
+
+    script = load_benchmark_script("reuse_by_distance")
+    (tmp_path / "junk.json").write_text("{not json")
+    RoutingTrace((0,), 4, 1, (((0,),),)).save(tmp_path / "one.json")
+    out = str(tmp_path / "r.json")
+    for argv, message in [
+        (["--trace", str(tmp_path / "junk.json")], "junk.json: not a readable routing trace"),
+        (["--bench", str(tmp_path / "junk.json")], "junk.json: not an edge0 bench results file"),
+        (["--trace", str(tmp_path / "one.json")], "one.json: 1 tokens, and a reuse needs two"),
+        (["--trace", str(tmp_path / "one.json"), "--distances", "0,1"], "every distance must be at least 1"),
+        (["--trace", str(tmp_path / "one.json"), "--distances", "a"], "not a comma-separated list"),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["reuse_by_distance.py", *argv, "--out", out])
+        with pytest.raises(SystemExit, match=message):
+            script.main()
+    assert not (tmp_path / "r.json").exists()
