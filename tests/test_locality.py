@@ -7,6 +7,7 @@ import math
 import sys
 
 import pytest
+from conftest import load_benchmark_script
 
 from mlx_edge0.bench.locality import (
     LocalitySummary,
@@ -19,6 +20,7 @@ from mlx_edge0.bench.locality import (
     uniform_reuse,
     uniform_top_share,
 )
+from mlx_edge0.bench.synthetic_routing import Locality, generate
 
 
 def hand_trace() -> RoutingTrace:
@@ -82,10 +84,6 @@ def test_bad_traces_are_refused(tmp_path):
 
 
 def test_reuse_by_distance_against_popularity_alone(tmp_path, monkeypatch):
-    from conftest import load_benchmark_script
-
-    from mlx_edge0.bench.synthetic_routing import Locality, generate
-
     script = load_benchmark_script("reuse_by_distance")
     # E=4, K=1: 0 0 1 1. At d=1 two of three pairs repeat, at d=2 none; popularity
     # alone (two experts used twice each in four tokens): 2 * 2 * 1 / (4 * 3) = 1/3.
@@ -114,8 +112,6 @@ def test_reuse_by_distance_against_popularity_alone(tmp_path, monkeypatch):
 
 
 def test_reuse_by_distance_names_bad_input(tmp_path, monkeypatch):
-    from conftest import load_benchmark_script
-
     script = load_benchmark_script("reuse_by_distance")
     (tmp_path / "junk.json").write_text("{not json")
     RoutingTrace((0,), 4, 1, (((0,),),)).save(tmp_path / "one.json")
