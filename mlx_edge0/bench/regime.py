@@ -170,6 +170,23 @@ def block_device(path: Path, sys_block: Path = Path("/sys/dev/block")) -> str:
     return device
 
 
+def read_ahead_file(path: Path, sys_class_bdi: Path = Path("/sys/class/bdi")) -> Path:
+    """The read-ahead window of the disk (or other backing device, a FUSE view
+    too) that holds ``path``: how much a page fault on a mapped file of it
+    reads around the page, so what a memory-mapped peer reads a token in a cap
+    depends on it, where ``O_DIRECT`` reads do not (BENCHMARKS.md, "The peer's
+    reads and the disk's read-ahead")."""
+    return sys_class_bdi / block_device(path) / "read_ahead_kb"
+
+
+def read_ahead_kb(path: Path, sys_class_bdi: Path = Path("/sys/class/bdi")) -> Optional[int]:
+    """:func:`read_ahead_file`'s value in KiB; None where it cannot be read."""
+    try:
+        return int(read_ahead_file(path, sys_class_bdi).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def regime_unavailable(regime: Regime, checkpoint: Path) -> Optional[str]:
     """Why ``regime`` cannot be set up here (None: it can)."""
     if not regime.active:

@@ -26,7 +26,7 @@ from ..options import GIB, available_memory
 from ..progress import bar, note
 from .arms import arm_tier, is_peer_arm, parse_arm, peer_gguf_path, tier_checkpoint
 from .run_spec import DTYPES, RunSpec, checkpoint_files, drop_page_cache
-from .regime import ArmCgroup, Regime, block_device, own_cgroups, regime_unavailable
+from .regime import ArmCgroup, Regime, block_device, own_cgroups, read_ahead_kb, regime_unavailable
 from .summary import summarize
 
 CACHES = ("cold", "warm", "pressure")
@@ -418,8 +418,9 @@ def run_bench(
                             f"{available_memory() / GIB:.1f} GiB available after {waited:.0f} s"
                         ),
                     }
+                # what a page fault reads around its page on the disk the arm reads from
                 record.update(round=rnd, cache=cache, cache_note=note, position=position,
-                              memory_wait_s=waited)  # fmt: skip
+                              memory_wait_s=waited, read_ahead_kb=read_ahead_kb(Path(spec.path)))  # fmt: skip
                 progress(f"[bench]   {one_line(record)}")
                 runs_bar.update()
                 results["runs"].append(record)
