@@ -41,10 +41,12 @@ def test_the_window_of_the_disk_holding_a_path_is_read(tmp_path):
 
 def test_windows_are_checked_and_alternate_by_round(pair):
     assert pair.parse_windows("128,8192") == [128, 8192]
-    for bad in ("128", "128,128", "0,128", "128,big", ""):
+    assert pair.parse_windows("128") == [128]
+    for bad in ("128,128", "0,128", "128,big", ""):
         with pytest.raises(ValueError, match="--read-ahead-kb"):
             pair.parse_windows(bad)
     assert pair.order([128, 8192], 3) == [(1, 128), (1, 8192), (2, 8192), (2, 128), (3, 128), (3, 8192)]
+    assert pair.order([128], 2) == [(1, 128), (2, 128)]
 
 
 def test_the_checkpoints_named_and_the_gguf_beside_stock(tmp_path, pair):
