@@ -19,7 +19,8 @@ Needs root; the window is the disk's, for every process on the machine, so run
 nothing else beside it. Each run is ``DIR/ra{KB}-r{N}.json``; the table (per
 window and arm: decode tok/s, device MB a token, and each arm's tok/s over
 llama.cpp's in the same run, by round) is printed and written to
-``DIR/summary.json``. Runs already in DIR are kept, so a stopped pair resumes.
+``DIR/summary.json``. Runs already in DIR are kept (each file is resumed by the
+bench), so a stopped pair resumes.
 """
 
 from __future__ import annotations
@@ -117,9 +118,17 @@ def read_ahead(files: list[Path], kb: int) -> Iterator[None]:
 
 
 def run_one(bench_args: list[str], out: Path) -> None:
+    """One ``edge0 bench run --rounds 1`` into ``out``; a run stopped before
+    it ended is resumed there (the bench keeps the runs it finished).
+
+    Raises:
+        SystemExit: the bench failed (its own error is on stderr above).
+    """
     entry = "from mlx_edge0.cli import main; main()"  # the `edge0` command of this interpreter's install
     cmd = [sys.executable, "-c", entry, "bench", "run", *bench_args, "--rounds", "1", "--out", str(out)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise SystemExit(f"{out}: the bench run failed (exit status {done.returncode}); its error is above")
 
 
 def summarize(runs: dict[tuple[int, int], dict]) -> dict:
@@ -177,7 +186,7 @@ def main() -> None:
         ap.error(f"{kept}: its runs were made with other bench options; give the same, or another --out")
     kept.write_text(json.dumps({"bench_args": bench_args, "read_ahead_kb": windows}, indent=1) + "\n")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop puts the windows back too
-    todo = [(r, w) for r, w in order(windows, a.rounds) if not (a.out / f"ra{w}-r{r}.json").is_file()]
+    todo = order(windows, a.rounds)  # every one: the bench keeps a file's finished runs
     started = time.perf_counter()
     with bar(len(todo), "read-ahead pair", unit="run") as progress:
         for r, window in todo:
@@ -192,7 +201,7 @@ def main() -> None:
     table = summarize(runs)
     (a.out / "summary.json").write_text(json.dumps({"bench_args": bench_args, "table": table}, indent=1) + "\n")
     print_table(table)
-    print(f"{len(todo)} runs in {time.perf_counter() - started:.0f} s; results: {a.out}")
+    print(f"{len(todo)} bench runs in {time.perf_counter() - started:.0f} s; results: {a.out}")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,13 @@ def test_a_window_that_cannot_be_set_names_the_file_and_leaves_none_changed(tmp_
     assert a.read_text() == "8192\n" and fixed.read_text() == own
 
 
+def test_a_failed_bench_run_is_named_not_a_traceback(tmp_path, pair):
+    out = tmp_path / "ra128-r1.json"
+    with pytest.raises(SystemExit, match=f"{out}: the bench run failed \\(exit status 2\\)"):
+        pair.run_one(["--no-such-option"], out)
+    assert not out.exists()
+
+
 def _results(peer: float, edge0: float, peer_mb: float) -> dict:
     run = lambda arm, tok_s, mb: {"arm": arm, "ok": True, "decode_tok_s": tok_s, "device_bytes_per_token": mb * 1e6}  # noqa: E731
     return {"runs": [run("llamacpp", peer, peer_mb), run("edge0-prerouter", edge0, 45.0)]}
