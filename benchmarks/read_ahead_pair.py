@@ -9,7 +9,8 @@ virtual disk may come with another (this project's VMs: 8 MiB). This sets the
 window of every disk that holds a checkpoint the bench options name
 (``--stock``, its GGUF, ``--edge0``, ``--gguf``) before each run, runs ``edge0
 bench run --rounds 1``, and puts each disk's own window back when it ends (on
-an error or a stop too). Settings alternate by round (A B, B A, ...):
+an error or a stop too). Settings alternate by round (A B, B A, ...), and the
+arms rotate by round as the bench's own rounds do:
 
     python benchmarks/read_ahead_pair.py --read-ahead-kb 128,8192 --rounds 3 --out DIR -- \\
         --stock $DATA/ling-stock --edge0 $DATA/ling-edge0 --arms llamacpp,edge0-prerouter+bypass/k4 \\
@@ -63,6 +64,24 @@ def parse_windows(text: str) -> list[int]:
 def order(windows: list[int], rounds: int) -> list[tuple[int, int]]:
     """(round, window): the windows in the given order in odd rounds, reversed in even ones."""
     return [(r, w) for r in range(1, rounds + 1) for w in (windows if r % 2 else windows[::-1])]
+
+
+def rotated_arms(bench_args: list[str], rnd: int) -> list[str]:
+    """``bench_args`` with ``--arms`` rotated by ``rnd - 1``: each file is one
+    round of the bench, which would run its arms in the same order every time."""
+    args = list(bench_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name == "--arms" and (eq or i + 1 < len(args)):
+            arms = (value if eq else args[i + 1]).split(",")
+            turn = (rnd - 1) % len(arms)
+            joined = ",".join(arms[turn:] + arms[:turn])
+            if eq:
+                args[i] = f"--arms={joined}"
+            else:
+                args[i + 1] = joined
+            break
+    return args
 
 
 def checkpoint_paths(bench_args: list[str]) -> list[Path]:
@@ -193,7 +212,7 @@ def main() -> None:
             progress.set_postfix_str(f"round {r}, {window} KiB")
             try:
                 with read_ahead(files, window):
-                    run_one(bench_args, a.out / f"ra{window}-r{r}.json")
+                    run_one(rotated_arms(bench_args, r), a.out / f"ra{window}-r{r}.json")
             except ValueError as e:
                 raise SystemExit(str(e)) from None
             progress.update()

@@ -49,6 +49,16 @@ def test_windows_are_checked_and_alternate_by_round(pair):
     assert pair.order([128], 2) == [(1, 128), (2, 128)]
 
 
+def test_the_arms_rotate_by_round(pair):
+    args = ["--edge0", "/d/e", "--arms", "llamacpp,edge0-hot,edge0-prerouter", "--rounds-not-ours"]
+    assert pair.rotated_arms(args, 1) == args
+    assert pair.rotated_arms(args, 2)[3] == "edge0-hot,edge0-prerouter,llamacpp"
+    assert pair.rotated_arms(args, 3)[3] == "edge0-prerouter,llamacpp,edge0-hot"
+    assert pair.rotated_arms(args, 4) == args
+    assert pair.rotated_arms(["--arms=a,b"], 2) == ["--arms=b,a"]
+    assert pair.rotated_arms(["--edge0", "/d/e"], 2) == ["--edge0", "/d/e"]  # the bench's default arms
+
+
 def test_the_checkpoints_named_and_the_gguf_beside_stock(tmp_path, pair):
     stock, edge0 = tmp_path / "stock", tmp_path / "edge0"
     stock.mkdir()
