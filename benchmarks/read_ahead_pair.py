@@ -145,9 +145,15 @@ def run_one(bench_args: list[str], out: Path) -> None:
     """
     entry = "from mlx_edge0.cli import main; main()"  # the `edge0` command of this interpreter's install
     cmd = [sys.executable, "-c", entry, "bench", "run", *bench_args, "--rounds", "1", "--out", str(out)]
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise SystemExit(f"{out}: the bench run failed (exit status {done.returncode}); its error is above")
+    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        status = bench.wait()
+    except BaseException:  # a stop: SIGTERM lets the bench end its arm and remove its cgroups
+        bench.terminate()
+        bench.wait()
+        raise
+    if status != 0:
+        raise SystemExit(f"{out}: the bench run failed (exit status {status}); its error is above")
 
 
 def summarize(runs: dict[tuple[int, int], dict]) -> dict:
@@ -215,6 +221,8 @@ def main() -> None:
                     run_one(rotated_arms(bench_args, r), a.out / f"ra{window}-r{r}.json")
             except ValueError as e:
                 raise SystemExit(str(e)) from None
+            except KeyboardInterrupt:
+                raise SystemExit(f"stopped: each disk's own window put back; {a.out} keeps the runs finished") from None
             progress.update()
     runs = {(r, w): json.loads((a.out / f"ra{w}-r{r}.json").read_text()) for r, w in order(windows, a.rounds)}
     table = summarize(runs)
