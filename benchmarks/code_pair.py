@@ -37,12 +37,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+from mlx_edge0.bench.runner import run_bench_round
 from mlx_edge0.bench.summary import run_metrics
 from mlx_edge0.progress import bar
 from mlx_edge0.telemetry import hot_hit_rate
@@ -84,9 +83,7 @@ def run_one(tree: Path, bench_args: list[str], out: Path) -> None:
     working directory, since ``python -m`` (the bench's child) puts the
     working directory before it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    entry = "from mlx_edge0.cli import main; main()"  # the `edge0` command, from the tree on PYTHONPATH
-    cmd = [sys.executable, "-c", entry, "bench", "run", *bench_args, "--rounds", "1", "--out", str(out)]
-    subprocess.run(cmd, env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL)
+    run_bench_round(bench_args, out, env=env, cwd=tree)
 
 
 def value(record: dict, name: str):

@@ -30,8 +30,6 @@ import argparse
 import json
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +37,7 @@ from typing import Iterator
 
 from mlx_edge0.bench.arms import peer_gguf_path
 from mlx_edge0.bench.regime import read_ahead_file
+from mlx_edge0.bench.runner import run_bench_round
 from mlx_edge0.progress import bar
 
 PEER = "llamacpp"
@@ -136,26 +135,6 @@ def read_ahead(files: list[Path], kb: int) -> Iterator[None]:
             file.write_text(f"{own[file]}\n")
 
 
-def run_one(bench_args: list[str], out: Path) -> None:
-    """One ``edge0 bench run --rounds 1`` into ``out``; a run stopped before
-    it ended is resumed there (the bench keeps the runs it finished).
-
-    Raises:
-        SystemExit: the bench failed (its own error is on stderr above).
-    """
-    entry = "from mlx_edge0.cli import main; main()"  # the `edge0` command of this interpreter's install
-    cmd = [sys.executable, "-c", entry, "bench", "run", *bench_args, "--rounds", "1", "--out", str(out)]
-    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    try:
-        status = bench.wait()
-    except BaseException:  # a stop: SIGTERM lets the bench end its arm and remove its cgroups
-        bench.terminate()
-        bench.wait()
-        raise
-    if status != 0:
-        raise SystemExit(f"{out}: the bench run failed (exit status {status}); its error is above")
-
-
 def summarize(runs: dict[tuple[int, int], dict]) -> dict:
     """Per window and arm: decode tok/s and device MB a token (median, min,
     max over the rounds), and the arm's tok/s over the peer's in each round."""
@@ -218,7 +197,7 @@ def main() -> None:
             progress.set_postfix_str(f"round {r}, {window} KiB")
             try:
                 with read_ahead(files, window):
-                    run_one(rotated_arms(bench_args, r), a.out / f"ra{window}-r{r}.json")
+                    run_bench_round(rotated_arms(bench_args, r), a.out / f"ra{window}-r{r}.json")
             except ValueError as e:
                 raise SystemExit(str(e)) from None
             except KeyboardInterrupt:

@@ -12,6 +12,7 @@ import pytest
 from conftest import load_benchmark_script
 
 from mlx_edge0.bench.regime import read_ahead_file, read_ahead_kb
+from mlx_edge0.bench.runner import run_bench_round
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +98,10 @@ def test_a_window_that_cannot_be_set_names_the_file_and_leaves_none_changed(tmp_
     assert a.read_text() == "8192\n" and fixed.read_text() == own
 
 
-def test_a_failed_bench_run_is_named_not_a_traceback(tmp_path, pair):
+def test_a_failed_bench_run_is_named_not_a_traceback(tmp_path):
     out = tmp_path / "ra128-r1.json"
     with pytest.raises(SystemExit, match=f"{out}: the bench run failed \\(exit status 2\\)"):
-        pair.run_one(["--no-such-option"], out)
+        run_bench_round(["--no-such-option"], out)
     assert not out.exists()
 
 

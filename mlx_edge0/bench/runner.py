@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -260,6 +261,29 @@ def _run_child(spec: RunSpec, timeout_s: float, preexec: Optional[Callable[[], N
         error = f"child exited with status {proc.returncode}"
         return {**failed, "error": error, "stderr_tail": proc.stderr[-STDERR_TAIL:], "wall_s": wall_s}
     return {**json.loads(lines[-1]), "wall_s": wall_s}
+
+
+def run_bench_round(bench_args: list[str], out: Path, env: Optional[dict] = None, cwd: Optional[Path] = None) -> None:
+    """One ``edge0 bench run --rounds 1 --out OUT`` in a child, for the scripts
+    that change a condition between rounds (``benchmarks/code_pair.py``,
+    ``read_ahead_pair.py``); a file already there is resumed by the bench. The
+    child imports ``mlx_edge0`` as ``env`` and ``cwd`` give it. A stop sends it
+    SIGTERM, so it ends its arm and removes its cgroups.
+
+    Raises:
+        SystemExit: the bench failed (its own error is on stderr).
+    """
+    entry = "from mlx_edge0.cli import main; main()"  # the `edge0` command
+    cmd = [sys.executable, "-c", entry, "bench", "run", *bench_args, "--rounds", "1", "--out", str(out)]
+    bench = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+    try:
+        status = bench.wait()
+    except BaseException:
+        bench.terminate()
+        bench.wait()
+        raise
+    if status != 0:
+        raise SystemExit(f"{out}: the bench run failed (exit status {status}); its error is above")
 
 
 def machine_info() -> dict:
