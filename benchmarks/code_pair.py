@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from mlx_edge0.bench.pair_args import with_option_value
 from mlx_edge0.bench.runner import run_bench_round
 from mlx_edge0.bench.summary import run_metrics
 from mlx_edge0.progress import bar
@@ -149,15 +150,10 @@ def same_options(out: Path, bench_args: list[str], new_edge0: Optional[str] = No
 
 def with_edge0(bench_args: list[str], edge0: str) -> list[str]:
     """``bench_args`` with ``--edge0``'s value replaced by ``edge0``."""
-    args = list(bench_args)
-    for i, arg in enumerate(args):
-        if arg == "--edge0" and i + 1 < len(args):
-            args[i + 1] = edge0
-            return args
-        if arg.startswith("--edge0="):
-            args[i] = f"--edge0={edge0}"
-            return args
-    raise SystemExit("--new-edge0 replaces the bench options' --edge0, and they give none")
+    try:
+        return with_option_value(bench_args, "--edge0", edge0)
+    except ValueError:
+        raise SystemExit("--new-edge0 replaces the bench options' --edge0, and they give none") from None
 
 
 # Top-level folders the install maps into the package (pyproject's package-dir):

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mlx_edge0.bench.arms import peer_gguf_path
+from mlx_edge0.bench.pair_args import option_value, with_option_value
 from mlx_edge0.bench.regime import read_ahead_file
 from mlx_edge0.bench.runner import run_bench_round
 from mlx_edge0.progress import bar
@@ -68,30 +69,18 @@ def order(windows: list[int], rounds: int) -> list[tuple[int, int]]:
 def rotated_arms(bench_args: list[str], rnd: int) -> list[str]:
     """``bench_args`` with ``--arms`` rotated by ``rnd - 1``: each file is one
     round of the bench, which would run its arms in the same order every time."""
-    args = list(bench_args)
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name == "--arms" and (eq or i + 1 < len(args)):
-            arms = (value if eq else args[i + 1]).split(",")
-            turn = (rnd - 1) % len(arms)
-            joined = ",".join(arms[turn:] + arms[:turn])
-            if eq:
-                args[i] = f"--arms={joined}"
-            else:
-                args[i + 1] = joined
-            break
-    return args
+    value = option_value(bench_args, "--arms")
+    if value is None:  # the bench's default arms
+        return list(bench_args)
+    arms = value.split(",")
+    turn = (rnd - 1) % len(arms)
+    return with_option_value(bench_args, "--arms", ",".join(arms[turn:] + arms[:turn]))
 
 
 def checkpoint_paths(bench_args: list[str]) -> list[Path]:
     """The checkpoints the bench options name that exist, and the GGUF beside ``--stock``."""
-    named = []
-    for i, arg in enumerate(bench_args):
-        name, _, value = arg.partition("=")
-        if name in CHECKPOINT_OPTIONS:
-            value = value or (bench_args[i + 1] if i + 1 < len(bench_args) else "")
-            named.append((name, Path(value)))
-    paths = [path for _, path in named] + [peer_gguf_path(path) for name, path in named if name == "--stock"]
+    named = {name: Path(value) for name in CHECKPOINT_OPTIONS if (value := option_value(bench_args, name))}
+    paths = list(named.values()) + ([peer_gguf_path(named["--stock"])] if "--stock" in named else [])
     return [path for path in paths if path.exists()]
 
 
