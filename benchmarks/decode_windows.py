@@ -9,7 +9,8 @@ and prints, per arm, the median over rounds of each window's tok/s, the
 device bytes the runtime read a token in it (edge0's per-step counters;
 llama.cpp records no per-step bytes), and each window's ratio to llama.cpp's
 mmap arm (``llamacpp``) in the same round. A round is one results file of
-``benchmarks/read_ahead_pair.py`` or one ``round`` of a ``bench run`` file.
+``benchmarks/read_ahead_pair.py`` or one ``round`` (and cache state) of a
+``bench run`` file.
 edge0's timing loop queues step t+1 before reading step t's token back, as
 mlx-lm's ``generate_step`` does, so its first step holds two forwards and its
 last the tail of one; llama.cpp's steps are one forward each.
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from mlx_edge0.bench.charts import Point, line_chart
 from mlx_edge0.bench.runner import load_run
+from mlx_edge0.bench.summary import side_by_side
 from mlx_edge0.bench.tables import arm_label
 
 PEER = "llamacpp"
@@ -45,17 +47,19 @@ def window_mb(step_counters: list[dict], window: int) -> list[float]:
     return [sum(read[i : i + window]) / window / 1e6 for i in range(0, len(read) - window + 1, window)]
 
 
-def by_round(files: list[tuple[str, list[dict]]]) -> dict[tuple[str, int], dict[str, dict]]:
-    """(file, round) -> arm -> its successful run."""
-    rounds: dict[tuple[str, int], dict[str, dict]] = {}
+def by_round(files: list[tuple[str, list[dict]]]) -> dict[tuple, dict[str, dict]]:
+    """(file, round, cache state) -> arm -> its successful run with step times:
+    the runs made side by side (:func:`~mlx_edge0.bench.summary.side_by_side`)."""
+    rounds: dict[tuple, dict[str, dict]] = {}
     for name, runs in files:
-        for r in runs:
-            if r["ok"] and r.get("decode_step_s"):
-                rounds.setdefault((name, r["round"]), {})[r["arm"]] = r
+        for (rnd, cache), arms in side_by_side(runs).items():
+            timed = {arm: r for arm, r in arms.items() if r.get("decode_step_s")}
+            if timed:
+                rounds[(name, rnd, cache)] = timed
     return rounds
 
 
-def arm_windows(rounds: dict[tuple[str, int], dict[str, dict]], window: int) -> dict[str, dict]:
+def arm_windows(rounds: dict[tuple, dict[str, dict]], window: int) -> dict[str, dict]:
     """Per arm: each window's median tok/s over rounds and its range, MB a
     token (where the runs count their reads) and ratio to the peer by round."""
     arms = list(dict.fromkeys(arm for runs in rounds.values() for arm in runs))

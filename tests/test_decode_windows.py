@@ -57,3 +57,14 @@ def test_the_table_and_a_bad_window_from_the_command_line(tmp_path):
             [sys.executable, str(SCRIPT), str(results), "--window", window], capture_output=True, text=True
         )
         assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cache_states_of_one_round_are_paired_apart(windows):
+    runs = [
+        {**_run("llamacpp", 0, [1.0, 1.0]), "cache": "cold"},
+        {**_run("edge0-hot", 0, [0.5, 0.5]), "cache": "cold"},
+        {**_run("llamacpp", 0, [0.25, 0.25]), "cache": "pressure"},
+        {**_run("edge0-hot", 0, [0.5, 0.5]), "cache": "pressure"},
+    ]
+    table = windows.arm_windows(windows.by_round([("a.json", runs)]), 2)
+    assert table["edge0-hot"]["x_peer_by_round"] == [pytest.approx([2.0, 0.5])]

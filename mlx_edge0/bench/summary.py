@@ -71,7 +71,7 @@ def stats_of(records: list[dict], keys) -> dict:
     return {k: _stat([r[k] for r in records]) for k in keys if records and all(k in r for r in records)}
 
 
-def _slots(runs: list[dict]) -> dict[tuple[int, str], dict[str, dict]]:
+def side_by_side(runs: list[dict]) -> dict[tuple[int, str], dict[str, dict]]:
     """Successful runs by (round, cache slot), then by arm: the runs made side by side."""
     slots: dict[tuple[int, str], dict[str, dict]] = {}
     for r in runs:
@@ -88,7 +88,7 @@ def summarize(runs: list[dict]) -> dict:
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["arm"], r["cache"]), []).append(r)
-    slots = _slots(runs)
+    slots = side_by_side(runs)
     arms = {}
     for (arm, cache), rs in groups.items():
         ok = [r for r in rs if r["ok"]]
