@@ -38,7 +38,7 @@ from typing import Iterator
 from mlx_edge0.bench.arms import peer_gguf_path
 from mlx_edge0.bench.pair_args import option_value, with_option_value
 from mlx_edge0.bench.regime import read_ahead_file
-from mlx_edge0.bench.runner import run_bench_round
+from mlx_edge0.bench.runner import round_order, run_bench_round
 from mlx_edge0.progress import bar
 
 PEER = "llamacpp"
@@ -72,9 +72,7 @@ def rotated_arms(bench_args: list[str], rnd: int) -> list[str]:
     value = option_value(bench_args, "--arms")
     if value is None:  # the bench's default arms
         return list(bench_args)
-    arms = value.split(",")
-    turn = (rnd - 1) % len(arms)
-    return with_option_value(bench_args, "--arms", ",".join(arms[turn:] + arms[:turn]))
+    return with_option_value(bench_args, "--arms", ",".join(round_order(value.split(","), rnd - 1)))
 
 
 def checkpoint_paths(bench_args: list[str]) -> list[Path]:

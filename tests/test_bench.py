@@ -13,7 +13,7 @@ from mlx_lm.utils import load_model
 
 from mlx_edge0.bench.commands import bench
 from mlx_edge0.bench.run_spec import RunSpec, forced_tokens
-from mlx_edge0.bench.runner import BenchOptions, run_bench, run_child
+from mlx_edge0.bench.runner import BenchOptions, round_order, run_bench, run_child
 from mlx_edge0.bench.synth import SynthOptions, plan_shards, synth_checkpoint
 from mlx_edge0.bench.tables import markdown_table
 
@@ -313,6 +313,18 @@ def test_failed_arm_is_reported_not_raised(tmp_path, small_ckpts):
     table = markdown_table(saved["summary"])
     assert "| stock | cold | 1/1 |" in table and "edge0-exact/cold failed" in table
     assert saved["machine"]["cpu_count"] >= 1
+
+
+def test_each_arm_takes_each_position_in_turn():
+    arms = ("stock", "edge0-exact", "llamacpp")
+    orders = [round_order(arms, rnd) for rnd in range(4)]
+    assert orders[:3] == [
+        ["stock", "edge0-exact", "llamacpp"],
+        ["edge0-exact", "llamacpp", "stock"],
+        ["llamacpp", "stock", "edge0-exact"],
+    ]
+    assert orders[3] == orders[0]
+    assert [order.index("llamacpp") for order in orders[:3]] == [2, 1, 0]
 
 
 def test_bench_options_validate(tmp_path):

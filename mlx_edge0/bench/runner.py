@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -385,6 +385,14 @@ def runs_to_make(options: BenchOptions) -> int:
     )
 
 
+def round_order(arms: Sequence[str], rnd: int) -> list[str]:
+    """The arms in the order round ``rnd`` (from 0) runs them: rotated by
+    ``rnd``, so each arm takes each position in turn and a drift over the
+    run (a filling disk cache, a warming CPU) falls on every arm alike."""
+    turn = rnd % len(arms)
+    return list(arms[turn:]) + list(arms[:turn])
+
+
 def run_bench(
     options: BenchOptions,
     command: list[str],
@@ -415,7 +423,7 @@ def run_bench(
     arms = list(options.arms)
     total, done = options.rounds * len(options.caches) * len(arms), 0
     for rnd in range(options.rounds):
-        order = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
+        order = round_order(arms, rnd)
         for cache in options.caches:
             for position, arm in enumerate(order):
                 done += 1
