@@ -42,6 +42,15 @@ class ExpertWeights:
     def num_experts(self) -> int:
         return self.gate_proj.weight.shape[0]
 
+    def take(self, rows: mx.array) -> "ExpertWeights":
+        """The stacked subset ``rows`` (row i = ``rows[i]``): a call casting
+        scales then casts only the experts it uses, not a whole buffer."""
+
+        def take(p: Projection) -> Projection:
+            return Projection(*(mx.take(a, rows, axis=0) for a in (p.weight, p.scales, p.biases)))
+
+        return ExpertWeights(take(self.gate_proj), take(self.up_proj), take(self.down_proj), self.group_size, self.bits)
+
     def with_scales_dtype(self, dtype: Optional[mx.Dtype]) -> "ExpertWeights":
         """Cast scales/biases once, so each gather_qmm sees one dtype."""
         if dtype is None:

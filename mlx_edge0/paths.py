@@ -183,7 +183,7 @@ class HotPath:
         named = rows if x.shape[1] == 1 else None
         if local.size != local.shape[-1] or missed.all() or not missed.any():
             self.hot.finish_fetch(pending)
-            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype, named)
+            return self.hot.buffers.compute(x, mx.array(rows.astype(np.uint32)), self.compute_dtype, named, rows)
         # One token, some of its experts resident: compute those while the
         # others are read, so the disk and the compute work at once. Each
         # expert's output is the same product either way; they are put back in

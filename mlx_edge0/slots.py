@@ -5,8 +5,8 @@ weight/scales/biases), created and evaluated once on the compute thread. A row
 is a *slot*; the expert store fills rows in place with ``preadv`` and resident
 rows are copied with a memcpy, so no step re-stacks tensors or keeps a second
 copy of a bundle beside the stacked view. Scales and biases are held in the
-compute dtype, converted once when a row is filled, so every ``gather_qmm``
-sees one dtype.
+checkpoint's dtype (cast at each call, for the rows the call uses) or in the
+compute dtype (converted once when a row is filled): ``Options.row_scales``.
 
 Every part's rows start on a page boundary (:data:`PAGE`; MLX's own buffers
 start a few bytes past one), so uncached ``O_DIRECT`` reads of parts whose
@@ -116,18 +116,37 @@ class SlotBuffers:
             d[:] = s
 
     def compute(
-        self, x: mx.array, indices: mx.array, scales_dtype: Optional[mx.Dtype], rows: Optional[np.ndarray] = None
+        self,
+        x: mx.array,
+        indices: mx.array,
+        scales_dtype: Optional[mx.Dtype],
+        rows: Optional[np.ndarray] = None,
+        used: Optional[np.ndarray] = None,
     ) -> mx.array:
         """:func:`expert_glu` of ``x`` with rows ``indices`` (scales cast to
         ``scales_dtype``), recorded as reading the rows until a write that
         may change them: ``rows``, every row ``indices`` can name (None: any
         row, so every write waits for it).
 
+        ``used``: the rows ``indices`` can name, known on the host (default
+        ``rows``). Where the rows hold scales in another dtype than
+        ``scales_dtype``, only these rows are gathered and cast, not every
+        row of the buffer (a hot cache's thousand, at each call); the
+        products are the same.
+
         The output itself is kept (no extra op, so settling an evaluated one
         launches nothing); these buffers are read only at decode and for small
         prompt chunks, so what is kept is small: with ``rows`` named (decode
         calls), for two forwards at most (:meth:`open_forward`)."""
-        y = expert_glu(x, indices, self.weights().with_scales_dtype(scales_dtype))
+        weights = self.weights()
+        used = rows if used is None else used
+        if scales_dtype is not None and scales_dtype != self.scales_dtype and used is not None:
+            picked = np.unique(np.asarray(used, np.uint32))
+            position = np.zeros(self.capacity, np.uint32)
+            position[picked] = np.arange(len(picked), dtype=np.uint32)
+            weights = weights.take(mx.array(picked))
+            indices = mx.take(mx.array(position), indices)
+        y = expert_glu(x, indices, weights.with_scales_dtype(scales_dtype))
         read = None if rows is None else frozenset(int(r) for r in np.asarray(rows).ravel())
         self._readers.append((read, self._forward, y))
         return y

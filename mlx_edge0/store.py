@@ -387,8 +387,9 @@ class ExpertStore:
 
 
 def pool_scales_dtype(geometry, compute_dtype: Optional[mx.Dtype]) -> mx.Dtype:
-    """The dtype slot buffers hold scales in: the compute dtype when the I/O
-    threads can widen to it exactly, else the on-disk dtype (cast at compute)."""
+    """The dtype slot buffers hold scales in: ``compute_dtype`` when the I/O
+    threads can widen to it exactly, else (or with None) the on-disk dtype,
+    cast at compute."""
     disk = DTYPES[geometry.scales_dtype][0]
     if compute_dtype is None:
         return disk

@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_edge0
-from mlx_edge0.expert_math import expert_glu
+from mlx_edge0.expert_math import ExpertWeights, expert_glu
 from mlx_edge0.slots import SlotBuffers
 from mlx_edge0.cache_policy import LFU_AGING, FrequencyPolicy, LRUPolicy, plan_fill
 from mlx_edge0.staging import plan_staging
@@ -264,7 +264,7 @@ def test_exact_path_reuses_one_set_of_rows(converted):
     model, tokenizer = mlx_edge0.load(c.edge0, **PATHS["exact"])
     greedy(model, tokenizer.encode("def f(x):"), 6)
     scratch = model.edge0_runtime.exact.scratch
-    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.float32)
+    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.bfloat16)  # the checkpoint's scales
     assert scratch.capacity == 4 and model.stats()["resident_bytes"]["exact"] == 4 * row
     # a union larger than K (a prompt chunk) reads into fresh buffers
     mx.eval(model(mx.array([tokenizer.encode("import os, sys, re")])))
@@ -285,6 +285,42 @@ def test_fill_keeps_wanted_experts_in_place(converted):
     table = np.array(staged.slot_table)
     assert table[4] == before[4] and table[9] == before[9]
     assert sorted(buffer.contents.tolist()) == [0, 2, 4, 9]
+
+
+def test_rows_in_the_checkpoints_dtype_hold_more_experts_and_compute_the_same(converted, monkeypatch):
+    """The default rows keep the checkpoint's bf16 scales, so a budget holds
+    more of them than rows widened to the CPU's float32, and each call casts
+    only the rows it uses: the same tokens as stock, the same products as
+    widened rows."""
+    c = converted("qwen3_moe")
+    _, tokenizer = mlx_edge0.load(c.edge0)
+    ids = tokenizer.encode("import collections\nclass Counter(dict):")
+    want = greedy(load_stock(c.source), ids)
+    budget = 30 * TINY_BUNDLE_GIB
+    disk = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact")
+    wide = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact", row_scales="compute")
+    geometry = disk.edge0_section.experts
+    assert disk.edge0_runtime.hot.buffers.scales_dtype == mx.bfloat16
+    assert wide.edge0_runtime.hot.buffers.scales_dtype == mx.float32
+    assert disk.edge0_runtime.hot.capacity == int(budget * 2**30) // SlotBuffers.row_nbytes(geometry, mx.bfloat16)
+    assert wide.edge0_runtime.hot.capacity == int(budget * 2**30) // SlotBuffers.row_nbytes(geometry, mx.float32)
+    assert disk.edge0_runtime.hot.capacity > wide.edge0_runtime.hot.capacity
+    assert greedy(disk, ids) == greedy(wide, ids) == want
+    # a call naming its rows gathers and casts those alone, with the products of a cast of every row
+    taken, take = [], ExpertWeights.take
+
+    def spy(weights: ExpertWeights, rows: mx.array) -> ExpertWeights:
+        taken.append(rows)
+        return take(weights, rows)
+
+    monkeypatch.setattr(ExpertWeights, "take", spy)
+    buffers = disk.edge0_runtime.hot.buffers
+    rows = np.array([[3, 0, 5], [5, 2, 3]], np.uint32)
+    x = mx.random.normal((2, 1, geometry.hidden_size), key=mx.random.key(1))
+    gathered = buffers.compute(x, mx.array(rows), mx.float32, used=rows)
+    assert [sorted(np.array(r).tolist()) for r in taken] == [[0, 2, 3, 5]]
+    whole = expert_glu(x, mx.array(rows), buffers.weights().with_scales_dtype(mx.float32))
+    assert mx.array_equal(gathered, whole).item()
 
 
 # -------------------------------------------------------------- budget, memory
@@ -346,8 +382,8 @@ def test_stats_telemetry(converted):
     assert s["expert_loads"] > 0 and s["bytes_read"] >= s["expert_loads"] * 13824
     assert s["exposed_wait_ms"] >= 0 and s["decode_path"] == "staged"
     assert s["last_step"]["steps"] == 1 and s["last_step"]["tokens"] == 1
-    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.float32)  # scales widened to fp32
-    assert row == 12288 + 3072
+    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.bfloat16)  # the checkpoint's scales
+    assert row == 12288 + 1536
     assert s["resident_bytes"]["staged"] == 3 * 4 * row  # layers x K slots
     assert s["resident_bytes"]["exact"] == 0  # every decode call was staged
     assert s["peak_memory"] > 0

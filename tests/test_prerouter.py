@@ -266,7 +266,7 @@ def test_auto_budget_counts_the_heads_and_staging_once(with_heads, monkeypatch):
         assert mx.get_active_memory() - start >= held  # held before the budget
         assert rt.hot.capacity == rows // 2, options
         assert rt.staged_nbytes() == held - (heads if rt.consumer_of else 0), options
-    # With room for more, every expert: the cap is their size in rows (float32 scales on the CPU).
+    # With room for more, every expert: the cap is their size in rows (scales in the pool's dtype).
     monkeypatch.setattr("mlx_edge0.runtime.available_memory", lambda: resident + prompt_buffer + 2 * rows * row)
     assert mlx_edge0.load_model(path, page_cache="bypass", prerouter=False).edge0_runtime.hot.capacity == rows
 
