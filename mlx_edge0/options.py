@@ -22,7 +22,7 @@ COMPUTE_DTYPES = ("auto", "native", "float32", "bfloat16", "float16")
 PREFILL_PATHS = ("auto", "whole-layer", "exact")
 HOT_POLICIES = ("lfu", "lru")
 PAGE_CACHE_POLICIES = ("keep", "drop-prefill", "bypass")
-ROW_SCALES = ("checkpoint", "compute")
+ROW_SCALES = ("auto", "checkpoint", "compute")
 PARALLEL_MODES = ("expert", "pipeline")
 GIB = 1 << 30
 # A staged window needs one buffer per prerouted layer the host may build
@@ -87,8 +87,12 @@ class Options:
             the bundle's size and a budget holds the most experts, and each
             call casts the rows it uses to the compute dtype; "compute"
             widens them once, when a row is filled (on the CPU, float32 scales
-            of bf16 checkpoints: 11% larger rows, no cast per call). The same
-            on Metal, where the compute dtype is the checkpoint's.
+            of bf16 checkpoints: 11% larger rows, no cast per call); "auto":
+            "checkpoint" with ``page_cache="bypass"``, where the rows are the
+            only copy of an expert in memory and each row saves reads, else
+            "compute", where the page cache backs a miss and the cast would
+            cost compute for little. The same on Metal, where the compute
+            dtype is the checkpoint's.
         io_threads: threads that read expert bytes with ``preadv``.
         cache_gib: hot-cache budget in GiB, or "auto" (10% of available
             memory, at most a quarter of the experts: room is left for the
@@ -167,9 +171,9 @@ class Options:
         "auto", "float32 on CPU by default; the checkpoint's dtype on Metal.", choices=COMPUTE_DTYPES
     )
     row_scales: str = _option(
-        "checkpoint",
+        "auto",
         "Expert rows hold scales in the checkpoint's dtype (most experts per GiB; cast per call) "
-        "or the compute dtype (widened once).",
+        "or the compute dtype (widened once); 'auto': the checkpoint's with page_cache=bypass.",
         choices=ROW_SCALES,
     )
     io_threads: int = _option(4)
@@ -252,6 +256,12 @@ class Options:
                 return int(min(AUTO_BYPASS_MEMORY_SHARE * max(0, memory - committed), expert_bytes))
             return int(min(AUTO_CACHE_MEMORY_SHARE * memory, AUTO_CACHE_EXPERT_SHARE * expert_bytes))
         return int(self.cache_gib * GIB)
+
+    def rows_widened(self) -> bool:
+        """Whether expert rows hold scales in the compute dtype (``row_scales``)."""
+        if self.row_scales == "auto":
+            return self.page_cache != "bypass"
+        return self.row_scales == "compute"
 
     def dtype(self) -> Optional[mx.Dtype]:
         """The dtype floating weights are cast to, or None to keep them."""

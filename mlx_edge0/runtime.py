@@ -89,7 +89,7 @@ class StreamingRuntime:
             experts=owned,
         )
         g = section.experts
-        widened = self.compute_dtype if options.row_scales == "compute" else None
+        widened = self.compute_dtype if options.rows_widened() else None
         pool_dtype = self.pool_dtype = pool_scales_dtype(g, widened)
         k = section.num_experts_per_tok
         self.experts_per_layer = g.num_experts if shard is None else len(owned)

@@ -99,3 +99,13 @@ def test_page_cache_policies_give_the_same_numbers(converted):
         for prefill in ("whole-layer", "exact"):
             other = mlx_edge0.load_model(path, prefill=prefill, page_cache=policy)(x)
             assert mx.array_equal(keep, other).item(), (policy, prefill)
+
+
+def test_rows_keep_the_checkpoints_scales_where_they_are_the_only_copy():
+    assert Options().rows_widened()  # the page cache backs a miss: no cast per call
+    assert not Options(page_cache="bypass").rows_widened()  # the rows are the only copy: most rows
+    assert Options(page_cache="bypass", row_scales="compute").rows_widened()
+    assert not Options(row_scales="checkpoint").rows_widened()
+    with pytest.raises(ValueError, match="row_scales must be one of auto, checkpoint, compute, got 'fp32'"):
+        Options(row_scales="fp32")
+

@@ -264,7 +264,7 @@ def test_exact_path_reuses_one_set_of_rows(converted):
     model, tokenizer = mlx_edge0.load(c.edge0, **PATHS["exact"])
     greedy(model, tokenizer.encode("def f(x):"), 6)
     scratch = model.edge0_runtime.exact.scratch
-    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.bfloat16)  # the checkpoint's scales
+    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.float32)  # widened: the page cache is kept
     assert scratch.capacity == 4 and model.stats()["resident_bytes"]["exact"] == 4 * row
     # a union larger than K (a prompt chunk) reads into fresh buffers
     mx.eval(model(mx.array([tokenizer.encode("import os, sys, re")])))
@@ -288,17 +288,20 @@ def test_fill_keeps_wanted_experts_in_place(converted):
 
 
 def test_rows_in_the_checkpoints_dtype_hold_more_experts_and_compute_the_same(converted, monkeypatch):
-    """The default rows keep the checkpoint's bf16 scales, so a budget holds
-    more of them than rows widened to the CPU's float32, and each call casts
-    only the rows it uses: the same tokens as stock, the same products as
-    widened rows."""
+    """Rows that keep the checkpoint's bf16 scales (by default where the page
+    cache is bypassed) hold more experts in a budget than rows widened to the
+    CPU's float32, and each call casts only the rows it uses: the same tokens
+    as stock, the same products as widened rows."""
     c = converted("qwen3_moe")
     _, tokenizer = mlx_edge0.load(c.edge0)
     ids = tokenizer.encode("import collections\nclass Counter(dict):")
     want = greedy(load_stock(c.source), ids)
     budget = 30 * TINY_BUNDLE_GIB
-    disk = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact")
+    disk = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact", page_cache="bypass")
     wide = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact", row_scales="compute")
+    kept = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact")  # "auto", page cache kept
+    held = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact", row_scales="checkpoint")
+    assert kept.edge0_runtime.pool_dtype == mx.float32 and held.edge0_runtime.pool_dtype == mx.bfloat16
     geometry = disk.edge0_section.experts
     assert disk.edge0_runtime.hot.buffers.scales_dtype == mx.bfloat16
     assert wide.edge0_runtime.hot.buffers.scales_dtype == mx.float32
@@ -382,8 +385,8 @@ def test_stats_telemetry(converted):
     assert s["expert_loads"] > 0 and s["bytes_read"] >= s["expert_loads"] * 13824
     assert s["exposed_wait_ms"] >= 0 and s["decode_path"] == "staged"
     assert s["last_step"]["steps"] == 1 and s["last_step"]["tokens"] == 1
-    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.bfloat16)  # the checkpoint's scales
-    assert row == 12288 + 1536
+    row = SlotBuffers.row_nbytes(model.edge0_section.experts, mx.float32)  # scales widened to fp32
+    assert row == 12288 + 3072
     assert s["resident_bytes"]["staged"] == 3 * 4 * row  # layers x K slots
     assert s["resident_bytes"]["exact"] == 0  # every decode call was staged
     assert s["peak_memory"] > 0
