@@ -108,4 +108,3 @@ def test_rows_keep_the_checkpoints_scales_where_they_are_the_only_copy():
     assert not Options(row_scales="checkpoint").rows_widened()
     with pytest.raises(ValueError, match="row_scales must be one of auto, checkpoint, compute, got 'fp32'"):
         Options(row_scales="fp32")
-
