@@ -5,10 +5,10 @@ MIN, each from the cache the decode began with (``mlx_edge0.bench.eviction``).
 
 Where reads bind, bytes a token set the speed, and the rows a memory cap
 buys set the bytes. On ling's K=8 prerouter in its ``small-mac`` cap the
-rows hold scales and biases widened to float32 for the CPU's compute, and
-the ``auto`` budget leaves part of its headroom unused (BENCHMARKS.md, "A
-64-token decode in ling's preset at 128 KiB"): this prices such levers
-before one is built. A bundle's bytes are the run's own (bytes read over
+rows held scales and biases widened to float32 for the CPU's compute until
+3d905f2 (``row_scales``), and the ``auto`` budget leaves part of its
+headroom unused (BENCHMARKS.md, "What more rows would buy"): this prices
+such levers before one is built. A bundle's bytes are the run's own (bytes read over
 bundles read, from its decode counters); where the run was throttled, the
 read bound at each row count is the throttle's MB/s over the MB a token.
 
