@@ -11,8 +11,8 @@ Victims are the policy's (:mod:`mlx_edge0.cache_policy`: LFU with aging by
 default, or LRU), among bundles no call needs kept; among the lowest ranked,
 those of a layer that has routed in this forward go first (``plan_fill``'s
 settled bundles: not wanted again before the next forward). Permanent bundles (:meth:`HotCache.add_permanent`:
-with the prerouter, the layers no owner predicts, where they take a small share) are never a
-victim; held ones (:meth:`HotCache.add_held`: those layers where their share is larger) are not
+with the prerouter, the layers no owner predicts, where the cache holds every expert) are never a
+victim; held ones (:meth:`HotCache.add_held`: those layers in a smaller cache) are not
 a victim until the cache first has to evict, then the policy ranks them as any other, a use
 of theirs worth more than a prerouted layer's (:meth:`HotCache.add_waited`). A prompt
 read whole leaves its most-routed experts here (:meth:`HotCache.copy_prompt_experts`),
@@ -44,20 +44,19 @@ from .slots import SlotBuffers
 from .store import ExpertStore, ReadBatch
 
 Key = tuple[int, int]  # (layer, expert)
-PERMANENT_SHARE = 10  # permanent bundles take at most 1/10 of the rows (permanent_fits)
 KEPT_SHARE = 2  # permanent and held bundles together take at most 1/2 of the rows (kept_fits)
 PINNED_SHARE = 2  # a step's planned bundles take at most 1/2 of the other rows (planned_fits)
 
 
-def permanent_fits(rows: int, capacity: int, total_experts: int) -> bool:
-    """Whether ``rows`` permanent bundles leave a cache of ``capacity`` rows its
-    use: they take at most ``1 / PERMANENT_SHARE`` of it, or the cache holds
-    every expert, so they displace nothing. A larger share displaces the
-    other layers' bundles, which are then read again where reads bind: held
-    instead (:meth:`HotCache.add_held`), the bundles the decode does not use
-    go to the others once the cache must evict (BENCHMARKS.md, "The first
-    MoE layer held, not permanent, in a tenth of the cache")."""
-    return rows <= capacity // PERMANENT_SHARE or capacity >= total_experts
+def permanent_fits(capacity: int, total_experts: int) -> bool:
+    """Whether bundles can be permanent in a cache of ``capacity`` rows
+    without displacing anything: only where the cache holds every expert.
+    Anywhere else held (:meth:`HotCache.add_held`) costs the same while the
+    cache has room and, once it must evict, lets the policy give the rows
+    the decode never routes to the other layers, whose misses are read again
+    where reads bind (BENCHMARKS.md, "The first MoE layer held at every
+    share")."""
+    return capacity >= total_experts
 
 
 def kept_fits(rows: int, capacity: int) -> bool:
@@ -227,9 +226,9 @@ class HotCache:
         """Read ``experts`` of ``layer`` into rows now and keep them out of the
         victim choice until the cache first has to evict (a miss, a prompt's
         copy or a read ahead finds no free row); from then on the policy ranks
-        them as every other bundle. For a layer no owner predicts whose share
-        of the cache is too large to be permanent (``permanent_fits``): while
-        the cache has room it costs the other layers nothing. Call at load.
+        them as every other bundle. For a layer no owner predicts in a cache
+        that does not hold every expert (``permanent_fits``): while the cache
+        has room it costs the other layers nothing. Call at load.
 
         Raises:
             ValueError: they would take more than half the rows.

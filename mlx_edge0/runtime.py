@@ -143,15 +143,15 @@ class StreamingRuntime:
         total_experts = self.experts_per_layer * len(layers)
         # With the prerouter on, a MoE layer no owner predicts (the first) routes with its gate
         # and the compute waits for its misses: its experts are read into the hot cache once,
-        # at load. They stay where that leaves the cache its use (``permanent_fits``); where
-        # their share is larger, they stay until the cache first has to evict (``add_held``), and
-        # a use of theirs then outranks a prerouted layer's (``add_waited``).
+        # at load. They stay for good where the cache holds every expert (``permanent_fits``);
+        # elsewhere until the cache first has to evict (``add_held``), and a use of theirs then
+        # outranks a prerouted layer's (``add_waited``).
         predicted = set(consumer_of.values())
         unpredicted = [layer for layer in layers if layer not in predicted] if consumer_of else []
         rows = len(unpredicted) * self.experts_per_layer
 
         def sized(capacity: int) -> tuple[bool, bool]:
-            permanent = capacity >= k and permanent_fits(rows, capacity, total_experts)
+            permanent = capacity >= k and permanent_fits(capacity, total_experts)
             return permanent, capacity >= k and not permanent and kept_fits(rows, capacity)
 
         def capacity_left() -> int:

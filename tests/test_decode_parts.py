@@ -351,11 +351,10 @@ def test_a_prompt_keeps_its_most_routed_experts_without_reading_them():
     assert (s.hot_hits, s.hot_misses) == (2, 0) and store.submitted == reads
 
 
-def test_permanent_bundles_fit_in_a_small_share_or_a_cache_of_every_expert():
-    assert permanent_fits(51, 512, 4096) and not permanent_fits(52, 512, 4096)  # a tenth
+def test_permanent_only_in_a_cache_of_every_expert_else_held_up_to_half():
+    assert permanent_fits(768, 768)  # the cache holds every expert: nothing is displaced
+    assert not permanent_fits(767, 768) and not permanent_fits(512, 4096)  # any smaller share: held
     assert kept_fits(256, 512) and not kept_fits(257, 512)  # held: up to half
-    assert permanent_fits(256, 768, 768)  # the cache holds every expert: nothing is displaced
-    assert not permanent_fits(256, 767, 768)
 
 
 def test_staged_path_keeps_slots_and_counts_fallbacks():
