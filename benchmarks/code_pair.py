@@ -1,4 +1,4 @@
-"""One edge0 arm at two versions of the code, or of the checkpoint, rounds alternated.
+"""edge0 arms at two versions of the code, or of the checkpoint, rounds alternated.
 
 Where a change has no option to turn it off, the before and after of it are
 two source trees (``git worktree add $OLD COMMIT``, or a ``git archive`` of
@@ -14,9 +14,11 @@ A tree's ``model_patches/`` and ``conversions/``, which the install maps into
 the package, are linked into ``TREE/mlx_edge0/`` the same way before the first
 run (:func:`map_packages`).
 
-Each run's results are ``DIR/{old,new}-r{N}.json``; the table is also
-``DIR/summary.json``. Runs already in DIR are kept (a stopped pair resumes;
-one with every run there prints its table again); the bench options are
+Each run's results are ``DIR/{old,new}-r{N}.json`` (every arm ``--arms``
+names, in the bench's order); the tables, one per arm, are also
+``DIR/summary.json`` (``tables``; a pair summarized before they were per arm
+has one ``table``, its first arm's). Runs already in DIR are kept (a stopped
+pair resumes; one with every run there prints its tables again); the bench options are
 written to ``DIR/pair.json`` before the first run, and a DIR made with other
 options is refused rather than mixed or relabelled.
 The runs start in the tree they import, so give paths in the bench options
@@ -95,36 +97,58 @@ def value(record: dict, name: str):
 
 
 def summarize(out: Path, rounds: int) -> dict:
-    """Per tree, each column's median, min and max over the rounds; and
-    ``ratio``: new ÷ old decode tok/s in each round, and their median."""
-    table, tok_s = {}, {}
-    for tree in ("old", "new"):
-        runs = [json.loads((out / f"{tree}-r{r}.json").read_text())["runs"][0] for r in range(1, rounds + 1)]
-        tok_s[tree] = [run["decode_tok_s"] for run in runs]
-        table[tree] = {}
-        for name in COLUMNS:
-            values = [v for v in (value(run, name) for run in runs) if v is not None]
-            table[tree][name] = (
-                {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
-            )
-    per_round = [new / old for old, new in zip(tok_s["old"], tok_s["new"])]
-    table["ratio"] = {"per_round": per_round, "median": statistics.median(per_round)}
-    return table
+    """Per arm of the runs (``--arms`` may name several: each round runs them
+    all), per tree, each column's median, min and max over the rounds; and
+    ``ratio``: new ÷ old decode tok/s in each round, and their median.
+
+    Raises:
+        SystemExit: a run file lacks an arm the others have (names the file).
+    """
+    records = {
+        (tree, r): json.loads((out / f"{tree}-r{r}.json").read_text())["runs"]
+        for tree in ("old", "new")
+        for r in range(1, rounds + 1)
+    }
+    arms = list(dict.fromkeys(run["arm"] for runs in records.values() for run in runs))
+    tables = {}
+    for arm in arms:
+        table, tok_s = {}, {}
+        for tree in ("old", "new"):
+            runs = []
+            for r in range(1, rounds + 1):
+                mine = [run for run in records[tree, r] if run["arm"] == arm]
+                if not mine:
+                    raise SystemExit(f"{out / f'{tree}-r{r}.json'}: no run of arm {arm!r}")
+                runs.append(mine[0])
+            tok_s[tree] = [run["decode_tok_s"] for run in runs]
+            table[tree] = {}
+            for name in COLUMNS:
+                values = [v for v in (value(run, name) for run in runs) if v is not None]
+                table[tree][name] = (
+                    {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+                )
+        per_round = [new / old for old, new in zip(tok_s["old"], tok_s["new"])]
+        table["ratio"] = {"per_round": per_round, "median": statistics.median(per_round)}
+        tables[arm] = table
+    return tables
 
 
-def print_table(table: dict) -> None:
-    print("| code | " + " | ".join(h for h, _ in COLUMNS.values()) + " |")
-    print("|---" * (len(COLUMNS) + 1) + "|")
-    for tree in ("old", "new"):
-        row = table[tree]
-        cells = []
-        for name in COLUMNS:
-            v = row[name]
-            cells.append("-" if v is None else f"{v['median']:.3f} ({v['min']:.3f}–{v['max']:.3f})")
-        print(f"| {tree} | " + " | ".join(cells) + " |")
-    ratio = table["ratio"]
-    rounds = ", ".join(f"{r:.3f}" for r in ratio["per_round"])
-    print(f"new ÷ old decode tok/s: median {ratio['median']:.3f} (by round: {rounds})")
+def print_tables(tables: dict) -> None:
+    """One table per arm, then its new ÷ old by round."""
+    for arm, table in tables.items():
+        print(f"\n{arm}\n")
+        print("| code | " + " | ".join(h for h, _ in COLUMNS.values()) + " |")
+        print("|---" * (len(COLUMNS) + 1) + "|")
+        for tree in ("old", "new"):
+            row = table[tree]
+            cells = []
+            for name in COLUMNS:
+                v = row[name]
+                cells.append("-" if v is None else f"{v['median']:.3f} ({v['min']:.3f}–{v['max']:.3f})")
+            print(f"| {tree} | " + " | ".join(cells) + " |")
+        ratio = table["ratio"]
+        rounds = ", ".join(f"{r:.3f}" for r in ratio["per_round"])
+        print(f"new ÷ old decode tok/s: median {ratio['median']:.3f} (by round: {rounds})")
 
 
 def same_options(out: Path, bench_args: list[str], new_edge0: Optional[str] = None) -> None:
@@ -183,7 +207,7 @@ def main() -> None:
     ap.add_argument(
         "--new-edge0", type=Path, help="The new runs load this checkpoint in place of the bench options' --edge0."
     )
-    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `edge0 bench run` options (one arm).")
+    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `edge0 bench run` options.")
     a = ap.parse_args()
     a.old, a.new, a.out = a.old.resolve(), a.new.resolve(), a.out.resolve()
     bench_args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
@@ -208,13 +232,13 @@ def main() -> None:
             else:
                 run_one(a.new, new_args, a.out / f"{tree}-r{r}.json")
             progress.update()
-    table = summarize(a.out, a.rounds)
+    tables = summarize(a.out, a.rounds)
     summary = a.out / "summary.json"
     # a reprint (no run made now) keeps the trees the runs were made from
     trees = json.loads(summary.read_text()) if not todo and summary.is_file() else {}
     trees = {"old": trees.get("old", str(a.old)), "new": trees.get("new", str(a.new))}
-    summary.write_text(json.dumps(trees | recorded | {"table": table}, indent=1) + "\n")
-    print_table(table)
+    summary.write_text(json.dumps(trees | recorded | {"tables": tables}, indent=1) + "\n")
+    print_tables(tables)
     print(f"{len(todo)} runs in {time.perf_counter() - started:.0f} s; results: {a.out}")
 
 
