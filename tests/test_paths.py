@@ -300,8 +300,10 @@ def test_rows_in_the_checkpoints_dtype_hold_more_experts_and_compute_the_same(co
     disk = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact", page_cache="bypass")
     wide = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact", row_scales="compute")
     kept = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact")  # "auto", page cache kept
-    held = mlx_edge0.load_model(c.edge0, cache_gib=budget, staged=False, prefill="exact", row_scales="checkpoint")
-    assert kept.edge0_runtime.pool_dtype == mx.float32 and held.edge0_runtime.pool_dtype == mx.bfloat16
+    checkpoint_rows = mlx_edge0.load_model(
+        c.edge0, cache_gib=budget, staged=False, prefill="exact", row_scales="checkpoint"
+    )
+    assert kept.edge0_runtime.pool_dtype == mx.float32 and checkpoint_rows.edge0_runtime.pool_dtype == mx.bfloat16
     geometry = disk.edge0_section.experts
     assert disk.edge0_runtime.hot.buffers.scales_dtype == mx.bfloat16
     assert wide.edge0_runtime.hot.buffers.scales_dtype == mx.float32
